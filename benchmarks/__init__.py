@@ -1,0 +1,1 @@
+"""Benchmarks comparing threadloader with other image loaders on the same data and method."""

@@ -1,0 +1,157 @@
+"""Shared fixtures: a corpus of JPEGs covering the cases decoders get wrong, Pillow references, and
+guards that reader threads are gone after each test."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+
+def _gpu_unusable_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    try:
+        from nvidia import nvimgcodec
+
+        nvimgcodec.Decoder()
+    except Exception as exc:  # any failure means the GPU path cannot run here
+        return f"nvImageCodec unusable: {type(exc).__name__}: {exc}"
+    return None
+
+
+GPU_SKIP_REASON = _gpu_unusable_reason()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if GPU_SKIP_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {GPU_SKIP_REASON}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A smooth, photo-like RGB image (gradients, blobs, mild noise): realistic for JPEG, cheap to make."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    channels = []
+    for _ in range(3):
+        fy, fx = rng.uniform(0.5, 4, 2).tolist()
+        phase = rng.uniform(0, 6)
+        wave = np.sin(fx * np.pi * x / max(width, 1) + phase) * np.cos(fy * np.pi * y / max(height, 1))
+        base = 128 + 90 * wave
+        channels.append(base + rng.normal(0, 6, (height, width)))
+    return np.clip(np.stack(channels, axis=-1), 0, 255).astype(np.uint8)
+
+
+def encode(array: np.ndarray, fmt: str = "JPEG", mode: str | None = None, **save: object) -> bytes:
+    image = Image.fromarray(array)
+    if mode is not None:
+        image = image.convert(mode)
+    out = io.BytesIO()
+    image.save(out, fmt, **save)
+    return out.getvalue()
+
+
+def with_orientation(array: np.ndarray, orientation: int) -> bytes:
+    image = Image.fromarray(array)
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=92, exif=exif.tobytes())
+    return out.getvalue()
+
+
+def with_gray_sampling(data: bytes, factors: int = 0x22) -> bytes:
+    """A baseline grayscale JPEG rewritten to declare other sampling factors, as some encoders write."""
+    sof = data.index(b"\xff\xc0")
+    patched = bytearray(data)
+    patched[sof + 11] = factors  # FF C0, length(2), precision, height(2), width(2), Nf, C1, H1V1
+    return bytes(patched)
+
+
+def pil_reference(data: bytes) -> np.ndarray:
+    """What every decoder must produce: RGB uint8 HWC, EXIF orientation applied."""
+    with Image.open(io.BytesIO(data)) as image:
+        return np.array(ImageOps.exif_transpose(image).convert("RGB"))
+
+
+def mean_abs_diff(tensor: torch.Tensor, reference: np.ndarray) -> float:
+    """Mean absolute difference in 0-255 units between a (3, H, W) or (H, W, 3) tensor and a reference."""
+    array = tensor.detach().cpu()
+    if array.shape[0] == 3 and array.shape[-1] != 3:
+        array = array.permute(1, 2, 0)
+    return float(np.abs(array.numpy().astype(np.int16) - reference.astype(np.int16)).mean())
+
+
+def jpeg_corpus() -> dict[str, bytes]:
+    """JPEGs covering what decoders get wrong: grayscale at several sizes and qualities, CMYK,
+    chroma subsampling, progressive, odd sizes, 1x1, and all eight EXIF orientations."""
+    corpus: dict[str, bytes] = {}
+    for i, (w, h) in enumerate([(333, 222), (500, 375), (640, 480), (800, 600), (701, 533)]):
+        for quality in (75, 95):
+            corpus[f"gray_{w}x{h}_q{quality}"] = encode(photo(h, w, i), mode="L", quality=quality)
+    for w, h in ((500, 375), (640, 480), (800, 600)):
+        corpus[f"gray_2x2_sampling_{w}x{h}"] = with_gray_sampling(
+            encode(photo(h, w, 15), mode="L", quality=85)
+        )
+    corpus["gray_progressive"] = encode(photo(480, 640, 7), mode="L", quality=85, progressive=True)
+    corpus["cmyk"] = encode(photo(300, 400, 8), mode="CMYK", quality=90)
+    for subsampling, name in ((0, "444"), (1, "422"), (2, "420")):
+        corpus[f"rgb_{name}"] = encode(photo(300, 400, 9), quality=90, subsampling=subsampling)
+    corpus["progressive"] = encode(photo(400, 600, 10), quality=85, progressive=True)
+    corpus["odd_257x193"] = encode(photo(193, 257, 11), quality=90)
+    corpus["rgb_1x1"] = encode(photo(1, 1, 12), quality=90)
+    corpus["gray_1x1"] = encode(photo(1, 1, 13), mode="L", quality=90)
+    for orientation in range(1, 9):
+        corpus[f"exif_{orientation}"] = with_orientation(photo(60, 90, 14), orientation)
+    return corpus
+
+
+@pytest.fixture(scope="session")
+def corpus() -> dict[str, bytes]:
+    return jpeg_corpus()
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    """root/<class>/<n>.jpg with 3 classes of 5, 4 and 3 images, 48x64 each."""
+    root = tmp_path / "folder"
+    for c, (name, count) in enumerate((("cat", 5), ("dog", 4), ("eel", 3))):
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            (root / name / f"{i:03d}.jpg").write_bytes(encode(photo(48, 64, seed=10 * c + i), quality=90))
+    (root / "dog" / "notes.txt").write_text("not an image")
+    return root
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("threadloader-")]
+
+
+def wait_for_no_reader_threads(timeout: float = 1.0) -> list[threading.Thread]:
+    """Returns the reader threads still alive after ``timeout`` seconds (empty when all ended)."""
+    deadline = time.monotonic() + timeout
+    while reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return reader_threads()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Every test must leave no reader thread behind (the loader's shutdown contract)."""
+    yield
+    import gc
+
+    gc.collect()
+    leaked = wait_for_no_reader_threads(timeout=2.0)
+    assert not leaked, f"reader threads still alive after the test: {[t.name for t in leaked]}"

@@ -1,0 +1,257 @@
+"""The Pillow path's pixels: parity with Pillow over the corpus, resize, dtype, normalization, layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from threadloader import ThreadLoader
+
+from .conftest import encode, mean_abs_diff, photo, pil_reference
+
+
+@pytest.fixture(scope="module")
+def references(corpus: dict[str, bytes]) -> dict[str, np.ndarray]:
+    return {name: pil_reference(data) for name, data in corpus.items()}
+
+
+def load_all(corpus: dict[str, bytes], batch_size: int = 4, **options) -> dict[str, torch.Tensor]:
+    """Every corpus image through a loader, by name (the names are the targets)."""
+    out: dict[str, torch.Tensor] = {}
+    loader = ThreadLoader(
+        list((data, name) for name, data in corpus.items()), batch_size=batch_size, **options
+    )
+    for images, names in loader:
+        assert isinstance(names, list) and len(images) == len(names)
+        for image, name in zip(images, names, strict=True):
+            out[name] = image
+    assert list(out) == list(corpus)
+    return out
+
+
+def resized_reference(reference: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+    """The torchvision-free reference: antialiased bilinear on the Pillow pixels, float (1, 3, H, W)."""
+    x = torch.from_numpy(reference).permute(2, 0, 1).unsqueeze(0).float()
+    return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    return x.round().clamp(0, 255).to(torch.uint8)
+
+
+def pil_bilinear(reference: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    return np.array(Image.fromarray(reference).resize((size[1], size[0]), Image.Resampling.BILINEAR))
+
+
+def test_corpus_covers_the_hard_cases(references: dict[str, np.ndarray]) -> None:
+    assert references["gray_333x222_q75"].shape == (222, 333, 3)
+    assert references["cmyk"].shape == (300, 400, 3)
+    assert references["rgb_1x1"].shape == (1, 1, 3)
+    for orientation in range(1, 9):  # 5-8 swap the sides of the 60x90 original
+        assert references[f"exif_{orientation}"].shape == ((60, 90, 3) if orientation <= 4 else (90, 60, 3))
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_pillow_parity_every_corpus_case(
+    corpus: dict[str, bytes], references: dict[str, np.ndarray], num_threads: int
+) -> None:
+    images = load_all(corpus, num_threads=num_threads)
+    shapes = {name: tuple(image.shape) for name, image in images.items()}
+    assert shapes == {name: (3, ref.shape[0], ref.shape[1]) for name, ref in references.items()}
+    diffs = {name: mean_abs_diff(images[name], references[name]) for name in corpus}
+    assert {name: d for name, d in diffs.items() if d != 0} == {}
+    for name, image in images.items():
+        assert image.dtype == torch.uint8
+        assert torch.equal(image, torch.from_numpy(references[name]).permute(2, 0, 1)), name
+
+
+def test_pillow_parity_from_files(
+    tmp_path, corpus: dict[str, bytes], references: dict[str, np.ndarray]
+) -> None:
+    names = ["cmyk", "gray_progressive", "exif_6", "exif_8", "odd_257x193"]
+    paths = []
+    for name in names:
+        path = tmp_path / f"{name}.jpg"
+        path.write_bytes(corpus[name])
+        paths.append(path)
+    ((images, targets),) = list(ThreadLoader(paths, batch_size=5, num_threads=2))
+    assert targets is None
+    for image, name in zip(images, names, strict=True):
+        assert mean_abs_diff(image, references[name]) == 0, name
+
+
+@pytest.mark.parametrize("size", [(24, 40), (61, 97), (300, 400)])
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_resize_parity(
+    corpus: dict[str, bytes], references: dict[str, np.ndarray], size: tuple[int, int], batch_size: int
+) -> None:
+    images = load_all(corpus, batch_size=batch_size, size=size, num_threads=2)
+    mismatched, far_from_pil = {}, {}
+    for name, reference in references.items():
+        image = images[name]
+        assert image.shape == (3, *size) and image.dtype == torch.uint8
+        expected = to_uint8(resized_reference(reference, size))[0]
+        if not torch.equal(image, expected):
+            mismatched[name] = (image.int() - expected.int()).abs().max().item()
+        diff = mean_abs_diff(image, pil_bilinear(reference, size))
+        if diff > 1.0:
+            far_from_pil[name] = diff
+    assert mismatched == {}
+    assert far_from_pil == {}
+
+
+def test_resize_of_a_same_size_batch_is_one_stacked_batch() -> None:
+    data = [encode(photo(32, 48, seed), quality=90) for seed in range(6)]
+    refs = [pil_reference(b) for b in data]
+    ((images, _),) = list(ThreadLoader(data, batch_size=6, size=(20, 30), num_threads=1))
+    assert isinstance(images, torch.Tensor) and images.shape == (6, 3, 20, 30)
+    expected = torch.cat([to_uint8(resized_reference(r, (20, 30))) for r in refs])
+    assert torch.equal(images, expected)
+    for image, reference in zip(images, refs, strict=True):
+        assert mean_abs_diff(image, pil_bilinear(reference, (20, 30))) <= 1.0
+
+
+def test_size_equal_to_the_original_is_exact() -> None:
+    data = [encode(photo(32, 48, seed), quality=90) for seed in range(3)]
+    ((images, _),) = list(ThreadLoader(data, batch_size=3, size=(32, 48)))
+    for image, blob in zip(images, data, strict=True):
+        assert torch.equal(image, torch.from_numpy(pil_reference(blob)).permute(2, 0, 1))
+
+
+SUBSET = ["gray_333x222_q95", "cmyk", "rgb_420", "odd_257x193", "exif_6", "rgb_1x1"]
+
+
+@pytest.fixture(scope="module")
+def subset(corpus: dict[str, bytes]) -> dict[str, bytes]:
+    return {name: corpus[name] for name in SUBSET}
+
+
+def assert_exactly(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    diff = (actual.double() - expected.double()).abs()
+    assert diff.max().item() == 0, (
+        f"{name}: {int((diff > 0).sum())} of {diff.numel()} values differ, by up to {diff.max().item():.3g}"
+    )
+
+
+def uint8_chw(references: dict[str, np.ndarray], name: str) -> torch.Tensor:
+    return torch.from_numpy(references[name]).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    ],
+)
+def test_float_dtypes_are_exactly_uint8_over_255(
+    subset: dict[str, bytes], references: dict[str, np.ndarray], dtype: torch.dtype
+) -> None:
+    images = load_all(subset, dtype=dtype, num_threads=2)
+    for name, image in images.items():
+        assert image.dtype == dtype
+        reference = uint8_chw(references, name)
+        expected = reference.float() / 255 if dtype != torch.float64 else reference.double() / 255
+        assert_exactly(image, expected.to(dtype), name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float_is_uint8_over_255_to_one_ulp(
+    subset: dict[str, bytes], references: dict[str, np.ndarray], dtype: torch.dtype
+) -> None:
+    images = load_all(subset, dtype=dtype, num_threads=2)
+    for name, image in images.items():
+        assert image.dtype == dtype
+        reference = uint8_chw(references, name)
+        expected = reference.to(dtype) / 255
+        torch.testing.assert_close(image, expected, rtol=0, atol=torch.finfo(dtype).eps)
+        assert torch.equal(to_uint8(image * 255), reference)
+        assert image.min() >= 0.0 and image.max() <= 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_resized_float_is_the_float_resize_scaled(
+    subset: dict[str, bytes], references: dict[str, np.ndarray], dtype: torch.dtype
+) -> None:
+    size = (40, 56)
+    images = load_all(subset, batch_size=3, dtype=dtype, size=size, num_threads=2)
+    for name, image in images.items():
+        assert image.dtype == dtype and image.shape == (3, *size)
+        expected = (resized_reference(references[name], size)[0] / 255).to(dtype)
+        torch.testing.assert_close(image, expected, rtol=0, atol=torch.finfo(dtype).eps)
+        uint8 = to_uint8(resized_reference(references[name], size)[0])
+        # Nothing is rounded to uint8 on the way: the float output keeps the interpolated fractions.
+        assert (image.float() * 255 - uint8.float()).abs().max() <= 0.5 + 255 * torch.finfo(dtype).eps
+
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+def normalized(reference_uint8: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The manual formula: (x / 255 - mean) / std, per channel."""
+    mean = torch.tensor(MEAN).view(3, 1, 1)
+    std = torch.tensor(STD).view(3, 1, 1)
+    return ((reference_uint8.float() / 255 - mean) / std).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [None, (32, 32)])
+def test_mean_std_normalization(
+    subset: dict[str, bytes], references: dict[str, np.ndarray], dtype: torch.dtype, size
+) -> None:
+    images = load_all(subset, batch_size=3, dtype=dtype, mean=MEAN, std=STD, size=size, num_threads=2)
+    for name, image in images.items():
+        assert image.dtype == dtype
+        if size is None:
+            base = uint8_chw(references, name).float()
+        else:
+            base = resized_reference(references[name], size)[0]
+        expected = normalized(base, dtype)
+        torch.testing.assert_close(image.float(), expected.float(), rtol=torch.finfo(dtype).eps, atol=1e-6)
+        # Normalization really happened: values leave [0, 1] in the expected direction.
+        if name == "rgb_1x1":
+            continue
+        assert image.float().min() < 0 < image.float().max()
+
+
+def test_mean_std_normalization_is_exact_in_float32(
+    subset: dict[str, bytes], references: dict[str, np.ndarray]
+) -> None:
+    images = load_all(subset, batch_size=3, dtype=torch.float32, mean=MEAN, std=STD, num_threads=2)
+    for name, image in images.items():
+        assert_exactly(image, normalized(uint8_chw(references, name)), name)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [(32, 48), (24, 24), (100, 150)])
+def test_channels_last_layout_and_values(subset: dict[str, bytes], dtype: torch.dtype, size) -> None:
+    common = {"batch_size": 3, "dtype": dtype, "size": size, "num_threads": 2}
+    if dtype != torch.uint8:
+        common.update(mean=MEAN, std=STD)
+    data = [(blob, name) for name, blob in subset.items()]
+    plain = list(ThreadLoader(data, **common))
+    packed = list(ThreadLoader(data, channels_last=True, **common))
+    assert len(plain) == len(packed) == 2
+    for (a, names_a), (b, names_b) in zip(plain, packed, strict=True):
+        assert names_a == names_b
+        assert a.shape == b.shape == (3, 3, *size)
+        assert a.is_contiguous()
+        assert b.is_contiguous(memory_format=torch.channels_last)
+        assert not b.is_contiguous() or size == (1, 1)
+        assert b.stride() == a.contiguous(memory_format=torch.channels_last).stride()
+        assert torch.equal(a, b)
+
+
+def test_channels_last_of_an_unresized_same_size_batch() -> None:
+    data = [encode(photo(32, 48, seed), quality=90) for seed in range(4)]
+    refs = [pil_reference(b) for b in data]
+    ((images, _),) = list(ThreadLoader(data, batch_size=4, size=(32, 48), channels_last=True))
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(images, torch.stack([torch.from_numpy(r).permute(2, 0, 1) for r in refs]))

@@ -1,0 +1,287 @@
+"""GPU path: stream safety, parity with Pillow, concurrency, no host sync, bounded memory.
+
+Run on a machine with an NVIDIA GPU and nvImageCodec: ``python -m pytest -m gpu -q``. Elsewhere every
+test here is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from threadloader import ThreadLoader
+from threadloader._handoff import Ready
+from threadloader._stats import StatsRecorder
+
+from .conftest import encode, mean_abs_diff, photo, pil_reference
+
+pytestmark = pytest.mark.gpu
+
+#: Stated tolerance of the GPU path against Pillow: mean absolute difference per image, 0-255 units.
+#: (nvJPEG and libjpeg differ in IDCT and chroma upsampling rounding; measured 0.00-0.03 on the corpus.)
+TOLERANCE = 1.0
+
+
+def _uniform_set(count: int, height: int = 128, width: int = 160) -> list[tuple[bytes, int]]:
+    return [(encode(photo(height, width, seed=i), quality=90), i) for i in range(count)]
+
+
+def _sabotaged(kind: str):  # type: ignore[no-untyped-def]
+    """A ``Ready.receive`` with one of its two safeguards removed, to prove the stress test sees it."""
+
+    def receive(self: Ready) -> None:
+        consumer = torch.cuda.current_stream(self.tensors[0].device)
+        if kind != "no_event_wait":
+            consumer.wait_event(self.event)
+        if kind != "no_record_stream":
+            for tensor in self.tensors:
+                tensor.record_stream(consumer)
+
+    return receive
+
+
+def _stress(batches: int) -> int:
+    """Consumes ``batches`` batches on a side stream that is often busy; returns mismatching images."""
+    samples = _uniform_set(64)
+    references = [pil_reference(data) for data, _ in samples]
+    consumer = torch.cuda.Stream()
+    slow = torch.randn(4096, 4096, device="cuda")
+    rng = random.Random(0)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with (
+        torch.cuda.stream(consumer),
+        # Native size and uint8: no resize, so each batch is the very tensor the decoder wrote into.
+        ThreadLoader(
+            samples, batch_size=16, shuffle=True, seed=1, device="cuda", num_threads=4, size=(128, 160)
+        ) as loader,
+    ):
+        while len(copies) < batches:
+            for images, targets in loader:
+                if rng.random() < 0.5:
+                    # Queue slow work first: without record_stream the allocator would hand this batch's
+                    # memory to a reader before the copy below has run on the device.
+                    for _ in range(3):
+                        slow = slow @ slow
+                        slow = slow / slow.norm()
+                # A copy right away: without the event wait it could run before the decode finished.
+                copies.append((images.clone(), targets))
+                del images
+                if len(copies) == batches:
+                    break
+    torch.cuda.synchronize()
+    mismatches = 0
+    for images, targets in copies:
+        for image, target in zip(images, targets.tolist(), strict=True):
+            mismatches += mean_abs_diff(image, references[target]) > TOLERANCE
+    return mismatches
+
+
+def test_stream_safety_stress() -> None:
+    """Every image of 200 batches consumed on a busy side stream matches Pillow.
+
+    The safeguards are load-bearing: with ``record_stream`` removed from ``Ready.receive`` or the event
+    wait removed, this same loop sees mismatching images (``test_stress_detects_missing_safeguards``
+    below runs exactly that and asserts mismatches > 0).
+    """
+    assert _stress(200) == 0
+
+
+@pytest.mark.parametrize("kind", ["no_event_wait", "no_record_stream"])
+def test_stress_detects_missing_safeguards(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Ready, "receive", _sabotaged(kind))
+    assert _stress(200) > 0, f"with {kind} the stress test should have seen corrupted batches"
+
+
+def test_parity_with_pillow(corpus: dict[str, bytes]) -> None:
+    names = list(corpus)
+    with ThreadLoader([(corpus[n], i) for i, n in enumerate(names)], batch_size=7, device="cuda") as loader:
+        for images, targets in loader:
+            for image, target in zip(images, targets.tolist(), strict=True):
+                reference = pil_reference(corpus[names[target]])
+                assert image.device.type == "cuda"
+                assert tuple(image.shape) == (3, *reference.shape[:2]), names[target]
+                diff = mean_abs_diff(image, reference)
+                assert diff <= TOLERANCE, f"{names[target]}: mean abs diff {diff:.2f} > {TOLERANCE}"
+        assert loader.stats().errors == 0
+
+
+def test_gpu_output_equals_cpu_output(corpus: dict[str, bytes]) -> None:
+    samples = [(corpus[n], i) for i, n in enumerate(corpus)]
+    options = dict(
+        batch_size=8, size=(96, 128), dtype=torch.float32, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)
+    )
+    with (
+        ThreadLoader(samples, device="cuda", **options) as gpu,
+        ThreadLoader(samples, device="cpu", **options) as cpu,
+    ):
+        for (gpu_images, gpu_targets), (cpu_images, cpu_targets) in zip(gpu, cpu, strict=True):
+            assert torch.equal(gpu_targets, cpu_targets)
+            assert gpu_images.shape == cpu_images.shape and gpu_images.dtype == cpu_images.dtype
+            # Normalized units: divide by the smallest std to bound the error in 0-255 units.
+            diff = (gpu_images.cpu() - cpu_images).abs().mean(dim=(1, 2, 3)) * 0.2 * 255
+            assert float(diff.max()) <= TOLERANCE
+
+
+def test_decodes_straight_into_one_batch_tensor() -> None:
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    stream = torch.cuda.Stream()
+    blobs = [data for data, _ in _uniform_set(6)]
+    batch = decoder.decode(blobs, stream=stream, stats=StatsRecorder())
+    stream.synchronize()
+    assert batch.stacked is not None and not batch.errors
+    for position, image in enumerate(batch.images):
+        assert image is not None and image.data_ptr() == batch.stacked[position].data_ptr()
+        assert mean_abs_diff(image, pil_reference(blobs[position])) <= TOLERANCE
+
+
+def test_unsupported_by_gpu_falls_back_to_cpu() -> None:
+    gif = io.BytesIO()
+    Image.fromarray(photo(40, 50, 3)).convert("P").save(gif, "GIF")
+    samples = [(encode(photo(40, 50, 1)), 0), (gif.getvalue(), 1), (b"definitely not an image", 2)]
+    with ThreadLoader(samples, batch_size=3, device="cuda", on_error="skip") as loader:
+        (images, targets), *rest = list(loader)
+        assert not rest
+        assert targets.tolist() == [0, 1]
+        assert mean_abs_diff(images[1], pil_reference(gif.getvalue())) == 0
+        stats = loader.stats()
+    assert stats.cpu_fallbacks >= 1 and stats.skipped == 1 and stats.errors == 1
+
+
+def test_no_host_sync_in_steady_state() -> None:
+    samples = _uniform_set(96)
+    with ThreadLoader(
+        samples,
+        batch_size=16,
+        size=(112, 112),
+        dtype=torch.float32,
+        mean=(0.485, 0.456, 0.406),
+        std=(0.229, 0.224, 0.225),
+        channels_last=True,
+        device="cuda",
+        num_threads=4,
+    ) as loader:
+        for _ in loader:  # warm-up: constants, allocator pools, decoder state
+            pass
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batches = [images for images, _ in loader]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(batches) == 6
+    assert all(b.is_contiguous(memory_format=torch.channels_last) for b in batches)
+
+
+def test_hammer_concurrent_loaders_and_direct_decodes() -> None:
+    """Several loaders and direct batch decodes from 8 threads for 30 s: no crash, correct pixels."""
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    seconds = float(os.environ.get("THREADLOADER_HAMMER_SECONDS", "30"))
+    samples = _uniform_set(48, 96, 128)
+    references = [pil_reference(data) for data, _ in samples]
+    failures: list[str] = []
+    counts = [0] * 8
+    deadline = time.monotonic() + seconds
+
+    def via_loader(slot: int) -> None:
+        while time.monotonic() < deadline:
+            with ThreadLoader(samples, batch_size=12, shuffle=True, device="cuda", num_threads=3) as loader:
+                for images, targets in loader:
+                    torch.cuda.current_stream().synchronize()
+                    for image, target in zip(images, targets.tolist(), strict=True):
+                        if mean_abs_diff(image, references[target]) > TOLERANCE:
+                            failures.append(f"loader {slot}: sample {target}")
+                    counts[slot] += len(targets)
+
+    def direct(slot: int) -> None:
+        decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+        stream = torch.cuda.Stream()
+        rng = random.Random(slot)
+        while time.monotonic() < deadline:
+            picks = rng.sample(range(len(samples)), 16)
+            batch = decoder.decode([samples[i][0] for i in picks], stream=stream, stats=StatsRecorder())
+            stream.synchronize()
+            for image, target in zip(batch.images, picks, strict=True):
+                if image is None or mean_abs_diff(image, references[target]) > TOLERANCE:
+                    failures.append(f"direct {slot}: sample {target}")
+            counts[slot] += len(picks)
+
+    threads = [threading.Thread(target=via_loader if i < 4 else direct, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 60)
+    assert not any(t.is_alive() for t in threads)
+    assert not failures, failures[:10]
+    assert all(c > 0 for c in counts), counts
+
+
+def _drain_slowly(loader: ThreadLoader) -> None:
+    """A consumer slower than the readers, so the window fills up; keeps no batch once it returns."""
+    for _batch in loader:
+        time.sleep(0.002)
+
+
+def test_memory_bounded_by_prefetch() -> None:
+    """Peak extra device memory stays under the window's bound, and all of it is freed after close."""
+    samples = _uniform_set(32, 256, 256) * 12  # 24 batches of 16: longer than any window below
+    batch_bytes = 16 * 3 * 256 * 256 * 4  # one float32 output batch
+
+    def peak_and_leftover(prefetch: int, epochs: int) -> tuple[int, int]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with ThreadLoader(
+            samples,
+            batch_size=16,
+            size=(256, 256),
+            dtype=torch.float32,
+            device="cuda",
+            num_threads=2,
+            prefetch=prefetch,
+        ) as loader:
+            for _ in range(epochs):
+                for _images, _ in loader:
+                    time.sleep(0.002)  # a consumer slower than the readers: the window fills up
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.empty_cache()  # frees blocks whose record_stream events have completed
+        return peak, torch.cuda.memory_allocated() - base
+
+    results = {
+        (prefetch, epochs): peak_and_leftover(prefetch, epochs)
+        for prefetch, epochs in ((1, 1), (4, 1), (4, 3))
+    }
+    for (prefetch, epochs), (peak, leftover) in results.items():
+        print(
+            f"prefetch={prefetch} epochs={epochs}: peak extra allocated {peak / 2**20:.1f} MiB, "
+            f"left after close {leftover / 2**20:.2f} MiB (one output batch {batch_bytes / 2**20:.1f} MiB)"
+        )
+        window = 2 * prefetch
+        # Each batch in flight: its output plus the uint8 decode buffer and resize/convert temporaries.
+        assert peak <= (window + 2) * batch_bytes * 2.5
+        assert leftover == 0
+    assert results[(1, 1)][0] < results[(4, 1)][0]
+
+
+def test_device_index_is_respected() -> None:
+    with ThreadLoader(_uniform_set(8), batch_size=4, device="cuda:0", size=(64, 64)) as loader:
+        assert loader.device == torch.device("cuda", 0)
+        for images, _ in loader:
+            assert images.device == torch.device("cuda", 0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_gpu_whatever_the_current_device() -> None:
+    with torch.cuda.device(0), ThreadLoader(_uniform_set(8), batch_size=4, device="cuda:1") as loader:
+        for images, _ in loader:
+            assert all(image.device == torch.device("cuda", 1) for image in images)

@@ -1,0 +1,810 @@
+"""ThreadLoader's API on the CPU path: sources, order, shuffle, samplers, collation, options, errors."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
+
+from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
+
+from .conftest import encode, photo, pil_reference, wait_for_no_reader_threads
+
+H, W = 32, 48
+N = 24
+
+
+@pytest.fixture(scope="module")
+def blobs() -> list[bytes]:
+    """N small JPEGs, each different, so a wrong sample shows in the pixels."""
+    return [encode(photo(H, W, seed=100 + i), quality=90) for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def refs(blobs: list[bytes]) -> list[np.ndarray]:
+    return [pil_reference(b) for b in blobs]
+
+
+@pytest.fixture
+def paths(tmp_path: Path, blobs: list[bytes]) -> list[str]:
+    out = []
+    for i, data in enumerate(blobs):
+        path = tmp_path / f"img_{i:03d}.jpg"
+        path.write_bytes(data)
+        out.append(str(path))
+    return out
+
+
+def assert_pixels(images: torch.Tensor | list[torch.Tensor], refs: list[np.ndarray], indices: list[int]):
+    """Every image equals the Pillow reference of its index, pixel for pixel."""
+    assert len(images) == len(indices)
+    for image, index in zip(images, indices, strict=True):
+        assert image.dtype == torch.uint8
+        np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), refs[index], err_msg=f"sample {index}")
+
+
+def epoch(loader: ThreadLoader) -> list[list[int]]:
+    """One pass, as the list of target batches (targets are the sample indices)."""
+    return [targets.tolist() for _, targets in loader]
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
+def chunks(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("kind", ["str", "pathlib"])
+def test_list_of_paths(paths: list[str], refs: list[np.ndarray], kind: str) -> None:
+    source = paths if kind == "str" else [Path(p) for p in paths]
+    loader = ThreadLoader(source, batch_size=5, num_threads=3)
+    assert len(loader) == 5
+    seen = []
+    for images, targets in loader:
+        assert targets is None
+        assert isinstance(images, list)
+        assert_pixels(images, refs, list(range(len(seen), len(seen) + len(images))))
+        seen.extend(range(len(seen), len(seen) + len(images)))
+    assert seen == list(range(N))
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_list_of_bytes(blobs: list[bytes], refs: list[np.ndarray], kind: type) -> None:
+    loader = ThreadLoader([kind(b) for b in blobs], batch_size=7, num_threads=2, size=(H, W))
+    offset = 0
+    sizes = []
+    for images, targets in loader:
+        assert targets is None
+        assert images.shape == (len(images), 3, H, W)
+        assert_pixels(images, refs, list(range(offset, offset + len(images))))
+        offset += len(images)
+        sizes.append(len(images))
+    assert sizes == [7, 7, 7, 3]
+
+
+@pytest.mark.parametrize("data", ["path", "bytes"])
+def test_list_of_pairs(paths: list[str], blobs: list[bytes], refs: list[np.ndarray], data: str) -> None:
+    items = paths if data == "path" else blobs
+    targets = [(7 * i) % 5 for i in range(N)]
+    loader = ThreadLoader(list(zip(items, targets, strict=True)), batch_size=4, num_threads=3)
+    got = []
+    for b, (images, batch_targets) in enumerate(loader):
+        indices = list(range(4 * b, 4 * b + 4))
+        assert batch_targets.dtype == torch.int64
+        assert batch_targets.tolist() == [targets[i] for i in indices]
+        assert_pixels(images, refs, indices)
+        got.extend(batch_targets.tolist())
+    assert got == targets
+
+
+@pytest.mark.parametrize("data", ["path", "bytes"])
+def test_notebook_style_dataset(
+    paths: list[str], blobs: list[bytes], refs: list[np.ndarray], data: str
+) -> None:
+    # Defined inside the test, like a notebook cell: nothing about it can be pickled by reference.
+    class CellDataset(Dataset):
+        def __init__(self, items: list) -> None:
+            self.items = items
+            self.labels = {i: 100 + i for i in range(len(items))}
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, index: int) -> tuple:
+            return self.items[index], self.labels[index]
+
+    items = paths if data == "path" else blobs
+    loader = ThreadLoader(CellDataset(items), batch_size=6, num_threads=4, size=(H, W))
+    assert len(loader) == 4
+    for b, (images, targets) in enumerate(loader):
+        indices = list(range(6 * b, 6 * b + 6))
+        assert targets.tolist() == [100 + i for i in indices]
+        assert_pixels(images, refs, indices)
+
+
+def test_directory_in_imagefolder_order(image_folder: Path) -> None:
+    loader = ThreadLoader(image_folder, batch_size=5, num_threads=3)
+    assert isinstance(loader.source, ImageFolder)
+    assert loader.source.classes == ["cat", "dog", "eel"]
+    assert loader.source.class_to_idx == {"cat": 0, "dog": 1, "eel": 2}
+    expected = [
+        (image_folder / name / f"{i:03d}.jpg", c)
+        for c, (name, count) in enumerate((("cat", 5), ("dog", 4), ("eel", 3)))
+        for i in range(count)
+    ]
+    assert [(Path(p), t) for p, t in loader.source.samples] == expected  # notes.txt left out
+    assert len(loader) == 3
+    position = 0
+    for images, targets in loader:
+        assert targets.dtype == torch.int64
+        for image, target in zip(images, targets.tolist(), strict=True):
+            path, expected_target = expected[position]
+            assert target == expected_target
+            np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), pil_reference(path.read_bytes()))
+            position += 1
+    assert position == 12
+
+
+def test_directory_as_str_and_nested_and_upper_case_extensions(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "b" / "sub").mkdir(parents=True)
+    (root / "a").mkdir()
+    data = {
+        root / "b" / "z.JPG": encode(photo(8, 8, 1)),
+        root / "b" / "sub" / "a.png": encode(photo(8, 8, 2), "PNG"),
+        root / "a" / "y.jpeg": encode(photo(8, 8, 3)),
+        root / "a" / "x.bmp": encode(photo(8, 8, 4), "BMP"),
+    }
+    for path, blob in data.items():
+        path.write_bytes(blob)
+    (root / "a" / "readme.txt").write_text("no")
+    loader = ThreadLoader(str(root), batch_size=10)
+    order = [root / "a" / "x.bmp", root / "a" / "y.jpeg", root / "b" / "sub" / "a.png", root / "b" / "z.JPG"]
+    assert [Path(p) for p, _ in loader.source.samples] == order
+    ((images, targets),) = list(loader)
+    assert targets.tolist() == [0, 0, 1, 1]
+    for image, path in zip(images, order, strict=True):
+        np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), pil_reference(data[path]))
+
+
+def test_empty_list_yields_nothing() -> None:
+    loader = ThreadLoader([], batch_size=4, num_threads=2)
+    assert len(loader) == 0
+    assert list(loader) == []
+
+
+def test_single_file_path_is_rejected(paths: list[str]) -> None:
+    for source in (paths[0], Path(paths[0])):
+        with pytest.raises(TypeError, match=r"must be a directory.*ThreadLoader\(\[path\]\)"):
+            ThreadLoader(source)
+
+
+def test_directory_without_classes_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "flat.jpg").write_bytes(encode(photo(8, 8)))
+    with pytest.raises(FileNotFoundError, match="no class sub-folders"):
+        ThreadLoader(tmp_path)
+
+
+def test_bare_bytes_is_rejected(blobs: list[bytes]) -> None:
+    with pytest.raises(TypeError, match=r"one bytes object.*ThreadLoader\(\[data\]\)"):
+        ThreadLoader(blobs[0])
+
+
+def test_iterable_only_sources_are_rejected(blobs: list[bytes]) -> None:
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(blobs)
+
+    with pytest.raises(TypeError, match=r"map-style.*iterable-style dataset"):
+        ThreadLoader(Stream())
+    with pytest.raises(TypeError, match=r"map-style.*iterable-style dataset"):
+        ThreadLoader(b for b in blobs)
+    with pytest.raises(TypeError, match="map-style"):
+        ThreadLoader(42)
+
+
+def test_iterable_dataset_with_len_is_rejected(blobs: list[bytes]) -> None:
+    class SizedStream(IterableDataset):
+        def __iter__(self):
+            return iter(blobs)
+
+        def __len__(self) -> int:
+            return len(blobs)
+
+    with pytest.raises(TypeError, match="map-style"):
+        ThreadLoader(SizedStream(), batch_size=4)
+
+
+@pytest.mark.parametrize("with_target", [False, True])
+def test_dataset_returning_pil_image_names_the_fix(blobs: list[bytes], with_target: bool) -> None:
+    class DecodedDataset(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int):
+            image = Image.fromarray(photo(8, 8, index))
+            return (image, index) if with_target else image
+
+    loader = ThreadLoader(DecodedDataset(), batch_size=2, num_threads=2)
+    with pytest.raises(SampleError, match="return the file path or its bytes, not a decoded image") as info:
+        next(iter(loader))
+    assert info.value.stage == "fetch"
+    assert info.value.index == 0
+    assert info.value.origin == "DecodedDataset[0]"
+    assert "path" in str(info.value) and "bytes" in str(info.value)
+    assert ("tuple(Image, int)" if with_target else "PIL.Image") in str(info.value)
+    loader.close()
+
+
+# ---------------------------------------------------------------------------------------------- order
+
+
+@pytest.mark.parametrize("num_threads", [1, 3, 8])
+def test_order_is_the_samplers_under_random_delays(
+    blobs: list[bytes], refs: list[np.ndarray], num_threads: int
+) -> None:
+    finished: list[int] = []
+
+    class Jittery(Dataset):
+        def __init__(self) -> None:
+            # Early samples are slowest, so later batches tend to finish first.
+            rng = np.random.default_rng(num_threads)
+            self.delays = rng.uniform(0, 0.004, N) + np.linspace(0.004, 0, N)
+
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, index: int) -> tuple[bytes, int]:
+            time.sleep(float(self.delays[index]))
+            finished.append(index)
+            return blobs[index], index
+
+    sampler = list(np.random.default_rng(5).permutation(N))  # numpy ints, in a fixed odd order
+    loader = ThreadLoader(Jittery(), batch_size=3, sampler=sampler, num_threads=num_threads, prefetch=2)
+    got = []
+    for images, targets in loader:
+        expected = [int(i) for i in sampler[len(flat(got)) : len(flat(got)) + 3]]
+        assert targets.tolist() == expected
+        assert_pixels(images, refs, expected)
+        got.append(targets.tolist())
+    assert flat(got) == [int(i) for i in sampler]
+    assert sorted(finished) == list(range(N))
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(
+    n=st.integers(0, 13),
+    batch_size=st.integers(1, 5),
+    drop_last=st.booleans(),
+    num_threads=st.integers(1, 4),
+    prefetch=st.integers(1, 3),
+)
+def test_batches_match_dataloader(
+    blobs: list[bytes], n: int, batch_size: int, drop_last: bool, num_threads: int, prefetch: int
+) -> None:
+    reference = DataLoader(range(n), batch_size=batch_size, drop_last=drop_last)
+    loader = ThreadLoader(
+        [(blobs[i], i) for i in range(n)],
+        batch_size=batch_size,
+        drop_last=drop_last,
+        num_threads=num_threads,
+        prefetch=prefetch,
+    )
+    assert len(loader) == len(reference)
+    assert epoch(loader) == [b.tolist() for b in reference]
+
+
+# -------------------------------------------------------------------------------------------- shuffle
+
+
+@pytest.fixture(scope="module")
+def indexed(blobs: list[bytes]) -> list[tuple[bytes, int]]:
+    return [(b, i) for i, b in enumerate(blobs[:20])]
+
+
+def test_shuffle_seed_is_reproducible_across_loaders_and_threads(
+    indexed: list[tuple[bytes, int]], refs: list[np.ndarray]
+) -> None:
+    orders = []
+    for num_threads in (1, 2, 5):
+        loader = ThreadLoader(indexed, batch_size=4, shuffle=True, seed=1234, num_threads=num_threads)
+        batches = []
+        for images, targets in loader:
+            assert_pixels(images, refs, targets.tolist())
+            batches.append(targets.tolist())
+        orders.append(batches)
+    assert orders[0] == orders[1] == orders[2]
+    assert sorted(flat(orders[0])) == list(range(20))  # every index exactly once
+    assert flat(orders[0]) != list(range(20))
+    other = ThreadLoader(indexed, batch_size=4, shuffle=True, seed=1235, num_threads=2)
+    assert epoch(other) != orders[0]
+
+
+def test_shuffle_differs_per_epoch_and_set_epoch_reproduces(indexed: list[tuple[bytes, int]]) -> None:
+    loader = ThreadLoader(indexed, batch_size=4, shuffle=True, seed=7, num_threads=3)
+    epochs = [epoch(loader) for _ in range(4)]  # iter() counts epochs 0, 1, 2, 3 on its own
+    for e in epochs:
+        assert sorted(flat(e)) == list(range(20))
+    assert len({tuple(flat(e)) for e in epochs}) == 4
+
+    replay = ThreadLoader(indexed, batch_size=4, shuffle=True, seed=7, num_threads=1)
+    replay.set_epoch(2)
+    assert epoch(replay) == epochs[2]
+    assert epoch(replay) == epochs[3]  # counts on from the epoch that was set
+    replay.set_epoch(0)
+    assert epoch(replay) == epochs[0]
+    loader.set_epoch(1)
+    assert epoch(loader) == epochs[1]
+
+
+def test_shuffle_without_seed_follows_torch_manual_seed(indexed: list[tuple[bytes, int]]) -> None:
+    def order(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        loader = ThreadLoader(indexed, batch_size=4, shuffle=True, num_threads=2)
+        return [epoch(loader), epoch(loader)]
+
+    first = order(99)
+    assert order(99) == first
+    assert first[0] != first[1]
+    assert order(100)[0] != first[0]
+    assert sorted(flat(first[0])) == list(range(20))
+
+
+def test_no_shuffle_is_identity_every_epoch(indexed: list[tuple[bytes, int]]) -> None:
+    loader = ThreadLoader(indexed, batch_size=6, num_threads=2)
+    for _ in range(3):
+        assert epoch(loader) == chunks(list(range(20)), 6)
+
+
+# ------------------------------------------------------------------------------------------- samplers
+
+
+@pytest.mark.parametrize(
+    ("drop_last", "expected"), [(False, [[5, 3], [3, 0], [19]]), (True, [[5, 3], [3, 0]])]
+)
+def test_list_sampler(
+    indexed: list[tuple[bytes, int]], refs: list[np.ndarray], drop_last: bool, expected
+) -> None:
+    loader = ThreadLoader(indexed, batch_size=2, sampler=[5, 3, 3, 0, 19], drop_last=drop_last, num_threads=3)
+    assert len(loader) == len(expected)
+    batches = []
+    for images, targets in loader:
+        assert_pixels(images, refs, targets.tolist())
+        batches.append(targets.tolist())
+    assert batches == expected
+
+
+def test_subset_random_sampler_with_generator(indexed: list[tuple[bytes, int]]) -> None:
+    subset = [1, 4, 6, 9, 11, 12, 17]
+    sampler = SubsetRandomSampler(subset, generator=torch.Generator().manual_seed(3))
+    twin = SubsetRandomSampler(subset, generator=torch.Generator().manual_seed(3))
+    loader = ThreadLoader(indexed, batch_size=3, sampler=sampler, num_threads=2)
+    assert len(loader) == 3
+    for _ in range(2):  # the generator advances per epoch, as with DataLoader
+        expected = [int(i) for i in twin]
+        assert sorted(expected) == subset
+        assert epoch(loader) == chunks(expected, 3)
+
+
+@pytest.mark.parametrize("kind", ["list", "torch"])
+def test_batch_sampler(indexed: list[tuple[bytes, int]], refs: list[np.ndarray], kind: str) -> None:
+    if kind == "list":
+        batch_sampler = [[3, 1], [0], [5, 4, 2], [19, 19]]
+    else:
+        batch_sampler = BatchSampler(SequentialSampler(range(10)), batch_size=4, drop_last=False)
+    expected = [list(b) for b in batch_sampler]
+    loader = ThreadLoader(indexed, batch_sampler=batch_sampler, num_threads=3)
+    assert len(loader) == len(expected)
+    batches = []
+    for images, targets in loader:
+        assert_pixels(images, refs, targets.tolist())
+        batches.append(targets.tolist())
+    assert batches == expected
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_size": 4},
+        {"shuffle": True},
+        {"sampler": [0, 1]},
+        {"drop_last": True},
+    ],
+)
+def test_batch_sampler_is_mutually_exclusive(indexed: list[tuple[bytes, int]], options: dict) -> None:
+    with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
+        ThreadLoader(indexed, batch_sampler=[[0, 1]], **options)
+    with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
+        DataLoader(range(4), batch_sampler=[[0, 1]], **options)  # the same rule as DataLoader
+
+
+def test_sampler_and_shuffle_are_mutually_exclusive(indexed: list[tuple[bytes, int]]) -> None:
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        ThreadLoader(indexed, sampler=[0, 1], shuffle=True)
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        DataLoader(range(4), sampler=[0, 1], shuffle=True)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "drop_last", "sizes"),
+    [
+        (3, False, [3, 3, 3, 1]),
+        (3, True, [3, 3, 3]),
+        (4, False, [4, 4, 2]),
+        (4, True, [4, 4]),
+        (5, False, [5, 5]),
+        (5, True, [5, 5]),
+        (12, False, [10]),
+        (12, True, []),
+    ],
+)
+def test_drop_last_and_partial_last_batch(
+    blobs: list[bytes], refs: list[np.ndarray], batch_size: int, drop_last: bool, sizes: list[int]
+) -> None:
+    loader = ThreadLoader(
+        [(b, i) for i, b in enumerate(blobs[:10])],
+        batch_size=batch_size,
+        drop_last=drop_last,
+        size=(H, W),
+        num_threads=2,
+    )
+    assert len(loader) == len(sizes)
+    got = []
+    for images, targets in loader:
+        assert images.shape == (len(targets), 3, H, W)
+        assert_pixels(images, refs, targets.tolist())
+        got.append(targets.tolist())
+    assert [len(b) for b in got] == sizes
+    assert flat(got) == list(range(sum(sizes)))
+
+
+# ------------------------------------------------------------------------------------------ collation
+
+
+class Box:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _check_ints(targets, idx):
+    assert isinstance(targets, torch.Tensor) and targets.dtype == torch.int64
+    assert targets.tolist() == [i * 3 for i in idx]
+
+
+def _check_floats(targets, idx):
+    assert isinstance(targets, torch.Tensor) and targets.dtype == torch.float64
+    assert targets.tolist() == [i / 4 for i in idx]
+
+
+def _check_tensors(targets, idx):
+    assert targets.shape == (len(idx), 2) and targets.dtype == torch.float32
+    assert targets.tolist() == [[float(i), -float(i)] for i in idx]
+
+
+def _check_strings(targets, idx):
+    assert targets == [f"s{i}" for i in idx]
+
+
+def _check_dicts(targets, idx):
+    assert set(targets) == {"label", "name"}
+    assert targets["label"].dtype == torch.int64
+    assert targets["label"].tolist() == list(idx)
+    assert targets["name"] == [f"n{i}" for i in idx]
+
+
+def _check_none(targets, idx):
+    assert targets is None
+
+
+def _check_objects(targets, idx):
+    assert isinstance(targets, list)
+    assert [box.value for box in targets] == list(idx)
+
+
+COLLATION = {
+    "ints": (lambda i: i * 3, _check_ints),
+    "floats": (lambda i: i / 4, _check_floats),
+    "tensors": (lambda i: torch.tensor([float(i), -float(i)]), _check_tensors),
+    "strings": (lambda i: f"s{i}", _check_strings),
+    "dicts": (lambda i: {"label": i, "name": f"n{i}"}, _check_dicts),
+    "none": (lambda i: None, _check_none),
+    "objects": (Box, _check_objects),
+}
+
+
+@pytest.mark.parametrize("kind", list(COLLATION))
+def test_targets_collation(blobs: list[bytes], refs: list[np.ndarray], kind: str) -> None:
+    make, check = COLLATION[kind]
+    source = [(blobs[i], make(i)) for i in range(7)]
+    batches = list(ThreadLoader(source, batch_size=3, num_threads=2, size=(H, W)))
+    assert len(batches) == 3
+    for b, (images, targets) in enumerate(batches):
+        idx = list(range(3 * b, min(3 * b + 3, 7)))
+        assert_pixels(images, refs, idx)
+        check(targets, idx)
+
+
+def test_objects_are_passed_through_not_copied(blobs: list[bytes]) -> None:
+    boxes = [Box(i) for i in range(4)]
+    ((_, targets),) = list(ThreadLoader([(blobs[i], boxes[i]) for i in range(4)], batch_size=4))
+    assert all(a is b for a, b in zip(targets, boxes, strict=True))
+
+
+# -------------------------------------------------------------------------------------------- options
+
+
+def test_default_options_on_cpu(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    loader = ThreadLoader(blobs)
+    assert loader.device == torch.device("cpu")
+    assert loader.num_threads >= 1
+    assert loader.prefetch == 2
+    assert len(loader) == 1  # batch_size 32 by default
+    ((images, targets),) = list(loader)
+    assert targets is None
+    assert [tuple(image.shape) for image in images] == [(3, H, W)] * N
+    assert all(image.device.type == "cpu" for image in images)
+    assert_pixels(images, refs, list(range(N)))
+
+
+def test_size_none_keeps_each_original_size() -> None:
+    shapes = [(8, 8), (17, 5), (1, 1), (40, 23), (32, 48)]
+    data = [encode(photo(h, w, i), quality=95) for i, (h, w) in enumerate(shapes)]
+    for dtype in (torch.uint8, torch.float32):
+        ((images, _),) = list(ThreadLoader(data, batch_size=5, dtype=dtype, num_threads=2))
+        assert isinstance(images, list)
+        assert [tuple(image.shape) for image in images] == [(3, h, w) for h, w in shapes]
+        for image, blob in zip(images, data, strict=True):
+            assert image.dtype == dtype and image.is_contiguous()
+            expected = torch.from_numpy(pil_reference(blob)).permute(2, 0, 1)
+            assert torch.equal(
+                (image * 255).round().to(torch.uint8) if dtype != torch.uint8 else image, expected
+            )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mean": (0.5, 0.5, 0.5), "dtype": torch.float32}, "give mean and std together"),
+        ({"std": (0.5, 0.5, 0.5), "dtype": torch.float32}, "give mean and std together"),
+        (
+            {"mean": (0.5,) * 3, "std": (0.5,) * 3},
+            r"mean/std need a float dtype \(e\.g\. dtype=torch\.float32\)",
+        ),
+        ({"mean": (0.5,) * 2, "std": (0.5,) * 2, "dtype": torch.float32}, "one value per RGB channel"),
+        ({"mean": (0.5,) * 3, "std": (0.5, 0.0, 0.5), "dtype": torch.float32}, "std must not contain zeros"),
+        ({"channels_last": True}, r"channels_last needs size=\(H, W\)"),
+        ({"on_error": "ignore"}, "on_error must be 'raise' or 'skip', got 'ignore'"),
+        ({"prefetch": 0}, "prefetch must be at least 1"),
+        ({"num_threads": 0}, "num_threads must be at least 1"),
+        ({"seed": -1}, "seed must be a non-negative int or None, got -1"),
+        ({"seed": 1.5}, "seed must be a non-negative int"),
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": None}, "batch_size must be a positive integer"),
+        ({"size": (0, 10)}, "size must be \\(height, width\\) with positive sides"),
+        ({"size": (10,)}, "size must be \\(height, width\\)"),
+        ({"dtype": torch.int32}, "dtype must be torch.uint8 or a float type"),
+        ({"backend": "hardware", "device": "cpu"}, "backend='hardware' selects an nvImageCodec backend"),
+        ({"backend": "cuda"}, "with device='cpu' Pillow decodes"),
+        ({"backend": "bogus", "device": "cpu"}, "backend must be one of"),
+        ({"device": "meta"}, "device must be 'cpu' or a CUDA device"),
+    ],
+)
+def test_invalid_options_raise_value_error(blobs: list[bytes], options: dict, message: str) -> None:
+    if torch.cuda.is_available() and "backend" in options and "device" not in options:
+        options = {**options, "device": "cpu"}
+    with pytest.raises(ValueError, match=message):
+        ThreadLoader(blobs, **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_device_without_gpu_is_explained(blobs: list[bytes]) -> None:
+    with pytest.raises(RuntimeError, match="no CUDA GPU is usable here; pass device='cpu'"):
+        ThreadLoader(blobs, device="cuda")
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def _random_bytes(n: int = 600) -> bytes:
+    return np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+BAD = 5  # the bad sample: batch 2 with batch_size 2
+
+
+def _bad_source(kind: str, tmp_path: Path, blobs: list[bytes]):
+    """A source of 10 samples (targets = indices) whose sample BAD fails in the way ``kind`` says.
+
+    Returns the source, the expected origin, stage, and a fragment of the reason.
+    """
+    items: list = [(blobs[i], i) for i in range(10)]
+    if kind == "missing":
+        for i in range(10):
+            path = tmp_path / f"{i}.jpg"
+            if i != BAD:
+                path.write_bytes(blobs[i])
+            items[i] = (str(path), i)
+        return items, str(tmp_path / f"{BAD}.jpg"), "read", "FileNotFoundError"
+    if kind == "corrupt_file":
+        path = tmp_path / "corrupt.jpg"
+        path.write_bytes(_random_bytes())
+        items[BAD] = (str(path), BAD)
+        return items, str(path), "decode", "cannot identify image file"
+    if kind == "corrupt_bytes":
+        items[BAD] = (_random_bytes(), BAD)
+        return items, "<600 bytes in memory>", "decode", "cannot identify image file"
+    if kind == "truncated":
+        items[BAD] = (blobs[BAD][: len(blobs[BAD]) // 2], BAD)
+        return items, f"<{len(blobs[BAD]) // 2} bytes in memory>", "decode", "OSError"
+    assert kind == "getitem_raises"
+
+    class Flaky(Dataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, index: int):
+            if index == BAD:
+                raise KeyError("label table has no row 5")
+            return items[index]
+
+    return Flaky(), f"Flaky[{BAD}]", "fetch", "KeyError: 'label table has no row 5'"
+
+
+ERROR_KINDS = ["missing", "corrupt_file", "corrupt_bytes", "truncated", "getitem_raises"]
+
+
+@pytest.mark.parametrize("kind", ERROR_KINDS)
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_raise_at_the_bad_batch(
+    tmp_path: Path, blobs: list[bytes], refs: list[np.ndarray], kind: str, num_threads: int
+) -> None:
+    source, origin, stage, reason = _bad_source(kind, tmp_path, blobs)
+    loader = ThreadLoader(source, batch_size=2, num_threads=num_threads, size=(H, W))
+    delivered = []
+    with pytest.raises(SampleError) as info:
+        for images, targets in loader:
+            assert_pixels(images, refs, targets.tolist())
+            delivered.append(targets.tolist())
+    assert delivered == [[0, 1], [2, 3]]  # every earlier batch, intact; the error at batch 2
+    error = info.value
+    assert isinstance(error, ThreadLoaderError)
+    assert (error.index, error.origin, error.stage) == (BAD, origin, stage)
+    assert reason in error.reason
+    message = str(error)
+    assert message.startswith(f"sample {BAD} ({origin}): {stage} failed: ")
+    assert reason in message
+    if kind == "getitem_raises":
+        assert isinstance(error.__cause__, KeyError)
+    if kind == "missing":
+        assert isinstance(error.__cause__, FileNotFoundError)
+    assert pickle.loads(pickle.dumps(error)).args == error.args
+    assert wait_for_no_reader_threads(1.0) == []
+    stats = loader.stats()
+    assert stats.errors == 1 and stats.skipped == 0
+    assert stats.samples == 4 and stats.batches == 2
+
+    # The loader still works: a new pass starts from the beginning and fails at the same place.
+    again = iter(loader)
+    images, targets = next(again)
+    assert targets.tolist() == [0, 1]
+    assert_pixels(images, refs, [0, 1])
+    assert next(again)[1].tolist() == [2, 3]
+    with pytest.raises(SampleError, match=f"sample {BAD} "):
+        next(again)
+    loader.close()
+    assert loader.stats().errors == 2
+
+
+@pytest.mark.parametrize("size", [None, (H, W)])
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_skip_leaves_bad_samples_out(
+    tmp_path: Path,
+    blobs: list[bytes],
+    refs: list[np.ndarray],
+    caplog: pytest.LogCaptureFixture,
+    size,
+    num_threads: int,
+) -> None:
+    missing = str(tmp_path / "missing.jpg")
+    corrupt = tmp_path / "corrupt.jpg"
+    corrupt.write_bytes(_random_bytes())
+    items: list = [(blobs[i], i) for i in range(8)]
+    items[1] = (missing, 1)
+    items[3] = (str(corrupt), 3)
+    items[4] = (_random_bytes(), 4)
+
+    class Holes(Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int):
+            if index == 5:
+                raise IndexError("hole at 5")
+            return items[index]
+
+    loader = ThreadLoader(Holes(), batch_size=3, num_threads=num_threads, size=size, on_error="skip")
+    assert len(loader) == 3
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        batches = []
+        for images, targets in loader:
+            assert_pixels(images, refs, targets.tolist())
+            batches.append(targets.tolist())
+    # Batch [3, 4, 5] is all bad: it is not yielded at all.
+    assert batches == [[0, 2], [6, 7]]
+    records = [r for r in caplog.records if r.name == "threadloader"]
+    assert len(records) == 4
+    assert all(r.levelno == logging.WARNING for r in records)
+    messages = sorted(r.getMessage() for r in records)
+    assert messages[0].startswith(f"skipping sample 1 ({missing}): read failed: FileNotFoundError")
+    assert messages[1].startswith(f"skipping sample 3 ({corrupt}): decode failed:")
+    assert messages[2].startswith("skipping sample 4 (<600 bytes in memory>): decode failed:")
+    assert messages[3] == "skipping sample 5 (Holes[5]): fetch failed: IndexError: hole at 5"
+    stats = loader.stats()
+    assert (stats.skipped, stats.errors, stats.samples, stats.batches) == (4, 4, 4, 2)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        assert epoch(loader) == [[0, 2], [6, 7]]
+    assert len([r for r in caplog.records if r.name == "threadloader"]) == 4
+    assert loader.stats().skipped == 8
+
+
+def test_skip_when_every_sample_is_bad_yields_nothing(tmp_path: Path) -> None:
+    loader = ThreadLoader([str(tmp_path / f"{i}.jpg") for i in range(5)], batch_size=2, on_error="skip")
+    assert list(loader) == []
+    stats = loader.stats()
+    assert (stats.skipped, stats.errors, stats.samples, stats.batches) == (5, 5, 0, 0)
+
+
+# ---------------------------------------------------------------------------------- no multiprocessing
+
+
+def test_no_processes_and_unpicklable_sources_work(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    class LambdaDataset(Dataset):
+        def __init__(self) -> None:
+            self.get = lambda i: (blobs[i], i * 2)
+            self.pid = os.getpid()
+
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, index: int):
+            assert os.getpid() == self.pid  # read in this very process
+            return self.get(index)
+
+    dataset = LambdaDataset()
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(dataset)
+    children_before = multiprocessing.active_children()
+    assert children_before == []
+    loader = ThreadLoader(dataset, batch_size=4, num_threads=3, size=(H, W))
+    got = []
+    for images, targets in loader:
+        assert multiprocessing.active_children() == []
+        indices = [t // 2 for t in targets.tolist()]
+        assert_pixels(images, refs, indices)
+        got.extend(targets.tolist())
+    assert got == [2 * i for i in range(12)]

@@ -1,0 +1,28 @@
+"""threadloader: GPU image loading for PyTorch with a pool of threads in one process.
+
+Reader threads read bytes and decode whole batches through one shared nvImageCodec decoder (calls
+serialized, each thread on its own CUDA stream) and hand them to the consumer's stream with an event:
+one CUDA context, no worker processes, no pickling. Without a GPU, Pillow decodes in the threads and
+the output is the same.
+"""
+
+from ._sources import IMAGE_EXTENSIONS, ImageFolder
+from ._stats import STAGES, LoaderStats
+from .errors import LoaderClosedError, SampleError, ThreadLoaderError
+from .loader import ThreadLoader
+from .transforms import OutputFormat
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "STAGES",
+    "ImageFolder",
+    "LoaderClosedError",
+    "LoaderStats",
+    "OutputFormat",
+    "SampleError",
+    "ThreadLoader",
+    "ThreadLoaderError",
+    "__version__",
+]

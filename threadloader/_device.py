@@ -1,0 +1,104 @@
+"""Choosing the device and the decoder for it, and thread-count defaults.
+
+Shared by every front end so that ``device=None`` means the same thing everywhere: the GPU when one is
+usable (a CUDA device and nvImageCodec), else the CPU with Pillow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .decode.base import ImageDecoder
+from .decode.nvimgcodec import BACKENDS, NvImageCodecDecoder
+from .decode.pillow import PillowDecoder
+
+__all__ = [
+    "available_cpus",
+    "default_decode_threads",
+    "default_num_threads",
+    "make_decoder",
+    "resolve_device",
+]
+
+logger = logging.getLogger("threadloader")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (respects affinity and container limits where the OS reports them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def default_num_threads(device: torch.device) -> int:
+    """Default reader threads.
+
+    On the GPU decoding is serialized and the rest of a batch's work holds the GIL, so more threads
+    only contend: on an H200 with 256x256 JPEGs, 2 threads were fastest (1: 12.4k, 2: 14.2k, 4: 9.2k,
+    8: 7.4k images/s at batch 32). On the CPU each thread decodes with the GIL released.
+    """
+    cpus = available_cpus()
+    return min(2, cpus) if device.type == "cuda" else min(32, cpus)
+
+
+def default_decode_threads(num_threads: int) -> int:
+    """nvImageCodec's own CPU threads (Huffman decoding, CPU fallback): the cores readers leave free."""
+    return max(1, available_cpus() - num_threads)
+
+
+def _nvimgcodec_importable() -> bool:
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_device(device: str | torch.device | int | None) -> torch.device:
+    """Turns the user's ``device`` into an indexed ``torch.device`` that can be used.
+
+    Raises:
+        RuntimeError: For a CUDA device on a machine where none is usable.
+        ImportError: For a CUDA device without nvImageCodec installed.
+    """
+    if device is None:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        if not _nvimgcodec_importable():
+            logger.warning(
+                "a GPU is available but nvImageCodec is not installed, so images are decoded on the CPU; "
+                "pip install 'threadloader[cu12]' (or [cu13]) to decode on the GPU"
+            )
+            return torch.device("cpu")
+        device = "cuda"
+    resolved = torch.device(device)
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"device must be 'cpu' or a CUDA device, got {resolved}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={str(resolved)!r} but no CUDA GPU is usable here; pass device='cpu' (or None)"
+        )
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"device={str(resolved)!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
+        )
+    return torch.device("cuda", index)
+
+
+def make_decoder(device: torch.device, *, backend: str, cpu_threads: int) -> ImageDecoder:
+    """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if device.type == "cpu":
+        if backend != "auto":
+            raise ValueError(
+                f"backend={backend!r} selects an nvImageCodec backend; with device='cpu' Pillow decodes"
+            )
+        return PillowDecoder()
+    return NvImageCodecDecoder(device, backend=backend, cpu_threads=cpu_threads)

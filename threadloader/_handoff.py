@@ -1,0 +1,63 @@
+"""Handing a finished batch from a reader thread's CUDA stream to the consumer's, without a host sync.
+
+The reader queues its work on its own stream and records an event after the last kernel. The consumer
+makes its current stream wait on that event (a device-side wait: the host does not block, and unlike
+``wait_stream`` it does not wait for work the reader queued later), then calls ``record_stream`` on
+every tensor it receives. ``record_stream`` is what keeps the caching allocator from handing the
+tensor's memory back to the reader stream while the consumer's kernels that read it are still queued.
+On the CPU all of this is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ReaderStream", "Ready"]
+
+
+class ReaderStream:
+    """A reader thread's dedicated CUDA stream on the loader's device (nothing on the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def active(self) -> Iterator[torch.cuda.Stream | None]:
+        """Makes this stream (and its device) current in the calling thread for the body."""
+        if self.stream is None:
+            yield None
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield self.stream
+
+    def seal(self, tensors: list[torch.Tensor]) -> Ready:
+        """Marks the end of the work producing ``tensors`` on this stream."""
+        if self.stream is None:
+            return Ready(tensors, None)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return Ready(tensors, event)
+
+
+@dataclass
+class Ready:
+    """Tensors finished by a reader stream, and the event that says when."""
+
+    tensors: list[torch.Tensor]
+    event: torch.cuda.Event | None
+
+    def receive(self) -> None:
+        """Makes the tensors safe to use on the consumer's current stream of their device."""
+        if self.event is None:
+            return
+        device = self.tensors[0].device if self.tensors else None
+        consumer = torch.cuda.current_stream(device)
+        consumer.wait_event(self.event)
+        for tensor in self.tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(consumer)

@@ -1,0 +1,171 @@
+"""Sources: what the user passes, turned into indexable samples, and reading their bytes.
+
+A source is anything with ``__len__`` and ``__getitem__`` whose items are a path, encoded bytes, or a
+``(path | bytes, target)`` pair; a directory becomes an :class:`ImageFolder`. Sources are only ever
+indexed from reader threads, never pickled, so classes defined in a notebook cell work as they are.
+Later sources (tar shards, object stores) plug in here: they only need to produce :class:`SampleRef`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeAlias
+
+from torch.utils.data import IterableDataset
+
+from .errors import SampleError
+
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "SampleRef", "Source", "as_source", "fetch", "read_bytes"]
+
+#: File extensions an :class:`ImageFolder` picks up (the same set as torchvision's ImageFolder).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+Encoded: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview"
+_ENCODED_TYPES = (str, os.PathLike, bytes, bytearray, memoryview)
+
+
+class Source(Protocol):
+    """What the loader indexes: a map-style dataset of encoded images."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRef:
+    """One sample as the source gave it, before any I/O."""
+
+    index: int
+    data: Encoded
+    target: Any
+
+    @property
+    def origin(self) -> str:
+        """The path, or a short description of in-memory bytes, for error messages."""
+        if isinstance(self.data, (str, os.PathLike)):
+            return os.fspath(self.data)
+        return f"<{len(self.data)} bytes in memory>"
+
+
+class ImageFolder:
+    """A directory laid out one sub-folder per class, in torchvision's ImageFolder order.
+
+    Classes are the sorted sub-folder names, numbered from 0; files are sorted by path within each
+    class, and only files with an extension in :data:`IMAGE_EXTENSIONS` (any case) are kept.
+
+    Attributes:
+        root: The directory.
+        classes: Class names, index = target.
+        class_to_idx: Class name to target.
+        samples: ``(path, target)`` pairs in order.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise NotADirectoryError(f"ImageFolder root {str(self.root)!r} is not a directory")
+        self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())
+        if not self.classes:
+            raise FileNotFoundError(
+                f"no class sub-folders in {str(self.root)!r}: a directory source must hold one folder per "
+                "class (root/cat/1.jpg, root/dog/2.jpg); for a flat folder pass a list of file paths"
+            )
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = []
+        for name in self.classes:
+            files = []
+            for dirpath, _, filenames in os.walk(self.root / name, followlinks=True):
+                files.extend(
+                    os.path.join(dirpath, f) for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)
+                )
+            self.samples.extend((path, self.class_to_idx[name]) for path in sorted(files))
+        if not self.samples:
+            raise FileNotFoundError(
+                f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(self.root)!r}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return self.samples[index]
+
+    def __repr__(self) -> str:
+        return f"ImageFolder({str(self.root)!r}, classes={len(self.classes)}, samples={len(self.samples)})"
+
+
+def as_source(source: object) -> Source:
+    """Checks a user's source and returns something indexable.
+
+    Raises:
+        TypeError: If ``source`` is neither a directory nor a map-style dataset, with the likely fix.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        if os.path.isdir(source):
+            return ImageFolder(source)
+        raise TypeError(
+            "a single path as source must be a directory (one sub-folder per class), got "
+            f"{os.fspath(source)!r}; to load one file pass a list: ThreadLoader([path])"
+        )
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        raise TypeError("source is one bytes object; pass a list of encoded images: ThreadLoader([data])")
+    if isinstance(source, IterableDataset) or not (
+        hasattr(source, "__getitem__") and hasattr(source, "__len__")
+    ):
+        kind = "an iterable-style dataset" if hasattr(source, "__iter__") else type(source).__name__
+        raise TypeError(
+            f"source must be map-style (__len__ and __getitem__), got {kind}: threadloader reads samples by "
+            "index so that order and resumption do not depend on thread timing; wrap the items in a list"
+        )
+    return source  # type: ignore[return-value]
+
+
+def fetch(source: Source, index: int) -> SampleRef:
+    """Calls ``source[index]`` and checks that the item is encoded data, optionally with a target.
+
+    Raises:
+        SampleError: If ``__getitem__`` raises or returns something that is not encoded image data.
+    """
+    try:
+        item = source[index]
+    except Exception as exc:
+        origin = f"{type(source).__name__}[{index}]"
+        raise SampleError.from_exception(exc, index=index, origin=origin, stage="fetch") from exc
+    if isinstance(item, _ENCODED_TYPES):
+        return SampleRef(index, item, None)
+    if isinstance(item, Sequence) and len(item) == 2 and isinstance(item[0], _ENCODED_TYPES):
+        return SampleRef(index, item[0], item[1])
+    raise SampleError(
+        index=index,
+        origin=f"{type(source).__name__}[{index}]",
+        stage="fetch",
+        reason=(
+            f"expected a path, encoded bytes, or a (path | bytes, target) pair, got {_type_of(item)}; "
+            "threadloader decodes by itself, so return the file path or its bytes, not a decoded image"
+        ),
+    )
+
+
+def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
+    """Returns the encoded bytes of a sample, reading the file if it is a path.
+
+    Raises:
+        SampleError: If the file cannot be read.
+    """
+    if not isinstance(ref.data, (str, os.PathLike)):
+        return ref.data
+    try:
+        with open(ref.data, "rb", buffering=0) as f:  # unbuffered: one read of the whole file
+            return f.read()
+    except OSError as exc:
+        raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
+
+
+def _type_of(item: object) -> str:
+    if isinstance(item, tuple):
+        return "tuple(" + ", ".join(type(x).__name__ for x in item) + ")"
+    return type(item).__module__.split(".")[0] + "." + type(item).__qualname__

@@ -1,0 +1,75 @@
+"""Counters and per-stage host time, shared by the reader threads and the consumer.
+
+One lock guards everything: updates happen a few times per batch, so contention is negligible next to
+decoding, and a single lock keeps every snapshot consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+__all__ = ["STAGES", "LoaderStats", "StatsRecorder"]
+
+#: Stages whose host time is recorded, in data-path order. ``wait`` is the consumer blocked in ``next()``.
+STAGES = ("fetch", "read", "parse", "decode_lock", "decode", "fallback", "transform", "wait")
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A consistent snapshot of a loader's counters since it was created.
+
+    Stage times are host wall-clock seconds summed over all threads (so they can exceed elapsed time);
+    GPU work is asynchronous and shows up where the host waits for it, not where it was queued.
+
+    Attributes:
+        batches: Batches handed to the consumer.
+        samples: Samples in those batches.
+        skipped: Samples dropped by ``on_error="skip"``.
+        errors: Sample errors seen (raised or skipped).
+        cpu_fallbacks: Samples the GPU decoder gave up on that were decoded on the CPU instead.
+        stage_seconds: Host seconds per stage, keys as in :data:`STAGES`.
+    """
+
+    batches: int = 0
+    samples: int = 0
+    skipped: int = 0
+    errors: int = 0
+    cpu_fallbacks: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+
+class StatsRecorder:
+    """Thread-safe accumulator behind :class:`LoaderStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {"batches": 0, "samples": 0, "skipped": 0, "errors": 0, "cpu_fallbacks": 0}
+        self._seconds = dict.fromkeys(STAGES, 0.0)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds ``n`` to the counter ``name``."""
+        with self._lock:
+            self._counts[name] += n
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        """Adds host seconds to ``stage``."""
+        with self._lock:
+            self._seconds[stage] += seconds
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Times the body as host seconds of ``stage``, also when it raises."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_time(stage, time.perf_counter() - start)
+
+    def snapshot(self) -> LoaderStats:
+        """Returns the current values as an immutable :class:`LoaderStats`."""
+        with self._lock:
+            return LoaderStats(**self._counts, stage_seconds=dict(self._seconds))

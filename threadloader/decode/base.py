@@ -1,0 +1,68 @@
+"""The small interface every decoder implements, GPU or CPU.
+
+A decoder turns a batch of encoded images into RGB ``uint8`` HWC tensors on its device. Everything
+after that (resize, dtype, normalize, layout) is device-agnostic tensor code in ``transforms``, which
+is what makes the CPU and GPU paths give the same output.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .._stats import StatsRecorder
+
+__all__ = ["DecodedBatch", "Encoded", "ImageDecoder"]
+
+Encoded = bytes | bytearray | memoryview
+
+
+@dataclass
+class DecodedBatch:
+    """A decoder's output for one batch, position by position.
+
+    Attributes:
+        images: RGB ``uint8`` tensors of shape ``(H, W, 3)`` on the decoder's device; ``None`` where the
+            sample failed.
+        errors: Position to the reason it failed, for each ``None`` in ``images``.
+        stacked: A ``(B, H, W, 3)`` tensor whose slices are exactly ``images`` when every sample decoded
+            to one shape, so later stages can work on the batch at once; otherwise ``None``.
+    """
+
+    images: list[torch.Tensor | None]
+    errors: dict[int, str] = field(default_factory=dict)
+    stacked: torch.Tensor | None = None
+
+
+class ImageDecoder(ABC):
+    """Decodes whole batches; called concurrently from reader threads.
+
+    Implementations must be safe to call from several threads at once: they serialize whatever their
+    library cannot run concurrently themselves, so callers never need to know.
+    """
+
+    #: Where the decoded tensors live.
+    device: torch.device
+
+    @abstractmethod
+    def decode(
+        self,
+        encoded: Sequence[Encoded],
+        *,
+        stream: torch.cuda.Stream | None,
+        stats: StatsRecorder,
+    ) -> DecodedBatch:
+        """Decodes a batch.
+
+        Args:
+            encoded: Encoded images.
+            stream: The calling thread's CUDA stream (``None`` on the CPU); all device work is queued on
+                it and the returned tensors are ready once that stream reaches this point.
+            stats: Where to add host time per stage.
+
+        Returns:
+            One entry per input; a sample that cannot be decoded is reported in ``errors``, never raised.
+        """

@@ -1,0 +1,52 @@
+"""Exceptions raised by threadloader.
+
+Everything the library raises on purpose derives from :class:`ThreadLoaderError`, so a caller can tell
+a bad sample or a misuse of the loader from a bug anywhere else.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LoaderClosedError", "SampleError", "ThreadLoaderError"]
+
+
+class ThreadLoaderError(RuntimeError):
+    """Base class of the errors that threadloader raises on purpose."""
+
+
+class SampleError(ThreadLoaderError):
+    """One sample could not be fetched, read or decoded.
+
+    Raised in the consumer at the batch that holds the sample (``on_error="raise"``); with
+    ``on_error="skip"`` it is logged and counted instead. The original exception is chained as
+    ``__cause__``.
+
+    Attributes:
+        index: The sample's index in the source.
+        origin: Where the sample came from: its path, or a short description of in-memory bytes.
+        stage: What failed: ``"fetch"`` (the source's ``__getitem__``), ``"read"`` or ``"decode"``.
+        reason: A one-line description of the cause.
+    """
+
+    def __init__(self, *, index: int, origin: str, stage: str, reason: str) -> None:
+        self.index = index
+        self.origin = origin
+        self.stage = stage
+        self.reason = reason
+        super().__init__(f"sample {index} ({origin}): {stage} failed: {reason}")
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, index: int, origin: str, stage: str) -> SampleError:
+        """Builds the error for ``exc``; the caller chains it with ``raise ... from exc``."""
+        return cls(index=index, origin=origin, stage=stage, reason=f"{type(exc).__name__}: {exc}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only __init__ would otherwise break copy/pickle of the exception (pytest, logging).
+        return (_rebuild_sample_error, (self.index, self.origin, self.stage, self.reason))
+
+
+def _rebuild_sample_error(index: int, origin: str, stage: str, reason: str) -> SampleError:
+    return SampleError(index=index, origin=origin, stage=stage, reason=reason)
+
+
+class LoaderClosedError(ThreadLoaderError):
+    """The loader was used after :meth:`ThreadLoader.close`."""
