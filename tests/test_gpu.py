@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from threadloader import ThreadLoader
-from threadloader._handoff import Ready
+from threadloader._handoff import ReaderStream, Ready
 from threadloader._stats import StatsRecorder
 
 from .conftest import encode, mean_abs_diff, photo, pil_reference
@@ -86,17 +86,56 @@ def _stress(batches: int) -> int:
 def test_stream_safety_stress() -> None:
     """Every image of 200 batches consumed on a busy side stream matches Pillow.
 
-    The safeguards are load-bearing: with ``record_stream`` removed from ``Ready.receive`` or the event
-    wait removed, this same loop sees mismatching images (``test_stress_detects_missing_safeguards``
-    below runs exactly that and asserts mismatches > 0).
+    Tried with the safeguards removed (``_sabotaged`` patched over ``Ready.receive``): on an H200 this
+    loop saw corrupted images without the event wait in both runs, and without ``record_stream`` in one
+    run of two, so the race is real but not reliably reproduced here; the two tests below pin each
+    safeguard down deterministically instead.
     """
     assert _stress(200) == 0
 
 
-@pytest.mark.parametrize("kind", ["no_event_wait", "no_record_stream"])
-def test_stress_detects_missing_safeguards(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Ready, "receive", _sabotaged(kind))
-    assert _stress(200) > 0, f"with {kind} the stress test should have seen corrupted batches"
+@pytest.mark.parametrize("sabotage", [None, "no_event_wait"])
+def test_event_wait_orders_consumer_after_reader(
+    sabotage: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer's first read of a batch sees the reader's last write, even when the reader is slow."""
+    if sabotage:
+        monkeypatch.setattr(Ready, "receive", _sabotaged(sabotage))
+    reader = ReaderStream(torch.device("cuda", 0))
+    with reader.active():
+        tensor = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(200_000_000)  # the reader stream is busy for ~0.1 s before its write
+        tensor.fill_(7)
+        ready = reader.seal([tensor])
+    ready.receive()
+    seen = tensor.clone()  # on the consumer's (default) stream, queued right away
+    torch.cuda.synchronize()
+    assert bool((seen == 7).all()) is (sabotage is None)
+
+
+@pytest.mark.parametrize("sabotage", [None, "no_record_stream"])
+def test_record_stream_keeps_memory_from_readers(
+    sabotage: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the consumer's kernels on a batch are queued, a reader never gets that memory back."""
+    if sabotage:
+        monkeypatch.setattr(Ready, "receive", _sabotaged(sabotage))
+    reader = ReaderStream(torch.device("cuda", 0))
+    consumer = torch.cuda.Stream()
+    with reader.active():
+        tensor = torch.ones(1 << 22, dtype=torch.uint8, device="cuda")
+        ready = reader.seal([tensor])
+    pointer = tensor.data_ptr()
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(200_000_000)  # the consumer is busy for ~0.1 s before it reads the batch
+        ready.receive()
+        total = tensor.sum()
+    del tensor, ready
+    with reader.active():
+        reused = torch.empty(1 << 22, dtype=torch.uint8, device="cuda")
+    assert (reused.data_ptr() == pointer) is (sabotage is not None)
+    torch.cuda.synchronize()
+    assert int(total) == 1 << 22
 
 
 def test_parity_with_pillow(corpus: dict[str, bytes]) -> None:
@@ -269,8 +308,11 @@ def test_memory_bounded_by_prefetch() -> None:
         window = 2 * prefetch
         # Each batch in flight: its output plus the uint8 decode buffer and resize/convert temporaries.
         assert peak <= (window + 2) * batch_bytes * 2.5
-        assert leftover == 0
+        # At most the last batch handed out is still accounted for (freed once its stream event is
+        # processed); nothing grows with epochs.
+        assert leftover <= batch_bytes
     assert results[(1, 1)][0] < results[(4, 1)][0]
+    assert results[(4, 3)][1] == results[(4, 1)][1]
 
 
 def test_device_index_is_respected() -> None:
