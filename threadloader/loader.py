@@ -49,7 +49,8 @@ class ThreadLoader:
         sampler: Yields sample indices (exclusive with ``shuffle``); ``set_epoch`` is forwarded to it.
         batch_sampler: Yields lists of indices (exclusive with the four options before it).
         drop_last: Drop the last batch when it is smaller than ``batch_size``.
-        num_threads: Reader threads; default 8 on a GPU (decoding is serialized there), the CPU count on
+        num_threads: Reader threads; default 2 on a GPU (decoding is serialized there and more threads
+            only contend for the GIL; see docs/benchmarks.md), the CPU count on
             the CPU.
         prefetch: Batches in flight per thread, decoded or being decoded: the memory knob.
         device: ``None`` picks ``"cuda"`` when a GPU and nvImageCodec are usable, else ``"cpu"``; also
