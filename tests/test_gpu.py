@@ -59,7 +59,14 @@ def _stress(batches: int) -> int:
         torch.cuda.stream(consumer),
         # Native size and uint8: no resize, so each batch is the very tensor the decoder wrote into.
         ThreadLoader(
-            samples, batch_size=16, shuffle=True, seed=1, device="cuda", num_threads=4, size=(128, 160)
+            samples,
+            batch_size=16,
+            shuffle=True,
+            seed=1,
+            device="cuda",
+            num_threads=4,
+            size=(128, 160),
+            decode_batch_size=32,
         ) as loader,
     ):
         while len(copies) < batches:
@@ -285,6 +292,7 @@ def test_memory_bounded_by_prefetch() -> None:
             device="cuda",
             num_threads=2,
             prefetch=prefetch,
+            decode_batch_size=16,  # one batch per decode: the window below counts batches
         ) as loader:
             for _ in range(epochs):
                 for _images, _ in loader:

@@ -17,6 +17,7 @@ from .decode.pillow import PillowDecoder
 
 __all__ = [
     "available_cpus",
+    "default_decode_batch_size",
     "default_decode_threads",
     "default_num_threads",
     "make_decoder",
@@ -42,6 +43,15 @@ def default_num_threads(device: torch.device) -> int:
     """
     cpus = available_cpus()
     return min(2, cpus) if device.type == "cuda" else min(32, cpus)
+
+
+def default_decode_batch_size(device: torch.device, batch_size: int) -> int:
+    """Images per decoder call: 256 on the GPU, one output batch on the CPU.
+
+    The GPU decoder is faster per image on large batches: on an H200 a thread decoding 256 at a time
+    ran 1.37x its speed at 32.
+    """
+    return max(256, batch_size) if device.type == "cuda" else batch_size
 
 
 def default_decode_threads(num_threads: int) -> int:

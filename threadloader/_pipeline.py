@@ -19,11 +19,11 @@ from torch.utils.data import default_collate
 from ._handoff import ReaderStream, Ready
 from ._sources import SampleRef, Source, fetch, read_bytes
 from ._stats import StatsRecorder
-from .decode.base import Encoded, ImageDecoder
+from .decode.base import DecodedBatch, Encoded, ImageDecoder
 from .errors import SampleError
 from .transforms import OutputFormat
 
-__all__ = ["Batch", "BatchProducer", "OnError", "collate_targets"]
+__all__ = ["Batch", "BatchProducer", "OnError", "Outcome", "collate_targets"]
 
 OnError = Literal["raise", "skip"]
 logger = logging.getLogger("threadloader")
@@ -37,6 +37,10 @@ class Batch:
     targets: Any
     indices: list[int]
     ready: Ready
+
+
+#: What a reader thread hands over for each batch of a group (see :meth:`BatchProducer.produce`).
+Outcome = Batch | SampleError | None
 
 
 class BatchProducer:
@@ -66,58 +70,82 @@ class BatchProducer:
         self._on_error = on_error
         self._stats = stats
 
-    def produce(self, indices: Sequence[int], reader: ReaderStream) -> Batch | None:
-        """Makes the batch of ``indices`` on ``reader``'s stream; ``None`` when every sample was skipped.
+    def produce(self, batches: Sequence[Sequence[int]], reader: ReaderStream) -> list[Outcome]:
+        """Makes consecutive batches with one decoder call, on ``reader``'s stream.
 
-        Raises:
-            SampleError: For the first bad sample, with ``on_error="raise"``.
+        Decoding several output batches at once keeps the GPU decoder on large batches (it is faster
+        per image) while the consumer gets the batch size it asked for.
+
+        Returns:
+            One outcome per batch, in order: the :class:`Batch`; ``None`` when every sample of it was
+            skipped; or, with ``on_error="raise"``, the :class:`SampleError` of its first bad sample, which
+            ends the list (the consumer raises it when it reaches that batch).
         """
         refs: list[SampleRef] = []
         blobs: list[Encoded] = []
+        owner: list[int] = []  # batch number of each read sample
+        failures: dict[int, list[SampleError]] = {}
         fetching = reading = 0.0  # summed here and recorded once: a timer per sample costs more than a read
-        for index in indices:
-            started = time.perf_counter()
-            try:
-                ref = fetch(self._source, index)
-                fetched = time.perf_counter()
-                fetching += fetched - started
-                blob = read_bytes(ref)
-                reading += time.perf_counter() - fetched
-            except SampleError as error:
-                self._reject(error)
-                continue
-            refs.append(ref)
-            blobs.append(blob)
+        for number, indices in enumerate(batches):
+            for index in indices:
+                started = time.perf_counter()
+                try:
+                    ref = fetch(self._source, index)
+                    fetched = time.perf_counter()
+                    fetching += fetched - started
+                    blob = read_bytes(ref)
+                    reading += time.perf_counter() - fetched
+                except SampleError as error:
+                    failures.setdefault(number, []).append(error)
+                    continue
+                refs.append(ref)
+                blobs.append(blob)
+                owner.append(number)
         self._stats.add_time("fetch", fetching)
         self._stats.add_time("read", reading)
-        if not refs:
-            return None
 
+        outcomes: list[Outcome] = []
         with reader.active() as stream:
-            decoded = self._decoder.decode(blobs, stream=stream, stats=self._stats)
-            for position, reason in decoded.errors.items():
-                ref = refs[position]
-                self._reject(SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason))
-            kept = [p for p, image in enumerate(decoded.images) if image is not None]
-            if not kept:
-                return None
-            with self._stats.timed("transform"):
-                stacked = decoded.stacked if len(kept) == len(refs) else None
-                images = self._output.apply([decoded.images[p] for p in kept], stacked)  # type: ignore[misc]
-            ready = reader.seal(images if isinstance(images, list) else [images])
+            decoded = self._decoder.decode(blobs, stream=stream, stats=self._stats) if blobs else None
+            if decoded is not None:
+                for position, reason in sorted(decoded.errors.items()):
+                    ref = refs[position]
+                    error = SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason)
+                    failures.setdefault(owner[position], []).append(error)
+            first = 0
+            for number in range(len(batches)):
+                last = first
+                while last < len(owner) and owner[last] == number:
+                    last += 1
+                errors = sorted(failures.get(number, []), key=lambda e: list(batches[number]).index(e.index))
+                self._stats.count("errors", len(errors))
+                if errors and self._on_error == "raise":
+                    outcomes.append(errors[0])
+                    break
+                for error in errors:
+                    self._stats.count("skipped")
+                    logger.warning("skipping %s", error)
+                outcomes.append(self._finish(refs, decoded, first, last, reader) if decoded else None)
+                first = last
+        return outcomes
+
+    def _finish(
+        self, refs: list[SampleRef], decoded: DecodedBatch, first: int, last: int, reader: ReaderStream
+    ) -> Batch | None:
+        """Formats positions ``first:last`` of a decoded group as one batch and seals it."""
+        kept = [p for p in range(first, last) if decoded.images[p] is not None]
+        if not kept:
+            return None
+        with self._stats.timed("transform"):
+            whole = len(kept) == last - first and decoded.stacked is not None
+            stacked = decoded.stacked[first:last] if whole else None  # type: ignore[index]
+            images = self._output.apply([decoded.images[p] for p in kept], stacked)  # type: ignore[misc]
         return Batch(
             images=images,
             targets=collate_targets([refs[p].target for p in kept]),
             indices=[refs[p].index for p in kept],
-            ready=ready,
+            ready=reader.seal(images if isinstance(images, list) else [images]),
         )
-
-    def _reject(self, error: SampleError) -> None:
-        self._stats.count("errors")
-        if self._on_error == "raise":
-            raise error
-        self._stats.count("skipped")
-        logger.warning("skipping %s", error)
 
 
 def collate_targets(targets: list[Any]) -> Any:

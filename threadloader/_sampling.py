@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchPlan"]
+__all__ = ["BatchPlan", "group_batches"]
 
 
 class BatchPlan:
@@ -91,3 +91,34 @@ def _length_of(obj: object, name: str) -> int:
     if not isinstance(obj, Sized):
         raise TypeError(f"{name} {type(obj).__name__} has no __len__, so the loader's length is unknown")
     return len(obj)
+
+
+def group_batches(batches: Iterable[list[int]], max_images: int) -> Iterator[list[list[int]]]:
+    """Groups consecutive batches while their images add up to at most ``max_images`` (one at least).
+
+    A group is what one reader thread decodes in one call; the batches in it keep their order. A full
+    group is yielded without looking ahead, and batches planned before a sampler error are still
+    yielded before the error, so the consumer gets every batch up to the failing one.
+    """
+    group: list[list[int]] = []
+    size = 0
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        except Exception:
+            if group:
+                yield group
+            raise
+        if group and size + len(batch) > max_images:
+            yield group
+            group, size = [], 0
+        group.append(batch)
+        size += len(batch)
+        if size >= max_images:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
