@@ -76,7 +76,7 @@ class ThreadLoader:
             ``"hybrid"`` or ``"cpu"`` (nvImageCodec's CPU decoder).
         decode_threads: nvImageCodec's own CPU threads; default: the cores the readers leave free.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
-            many images, then split (the GPU decoder is faster on large batches). Default 256 on a
+            many images, then split (the GPU decoder is faster on large batches). Default 128 on a
             GPU, ``batch_size`` on the CPU (each Pillow thread decodes one batch).
 
     Example:
