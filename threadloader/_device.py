@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .decode.base import ImageDecoder
+from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import BACKENDS, NvImageCodecDecoder
 from .decode.pillow import PillowDecoder
 
@@ -101,7 +101,9 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def make_decoder(device: torch.device, *, backend: str, cpu_threads: int) -> ImageDecoder:
+def make_decoder(
+    device: torch.device, *, backend: str, cpu_threads: int, max_pixels: int | None = DEFAULT_MAX_PIXELS
+) -> ImageDecoder:
     """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
@@ -110,5 +112,5 @@ def make_decoder(device: torch.device, *, backend: str, cpu_threads: int) -> Ima
             raise ValueError(
                 f"backend={backend!r} selects an nvImageCodec backend; with device='cpu' Pillow decodes"
             )
-        return PillowDecoder()
-    return NvImageCodecDecoder(device, backend=backend, cpu_threads=cpu_threads)
+        return PillowDecoder(max_pixels=max_pixels)
+    return NvImageCodecDecoder(device, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels)

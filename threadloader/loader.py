@@ -29,6 +29,7 @@ from ._sampling import BatchPlan, group_batches
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
+from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import LoaderClosedError, SampleError
 from .transforms import OutputFormat
 
@@ -78,6 +79,8 @@ class ThreadLoader:
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches). Default 128 on a
             GPU, ``batch_size`` on the CPU (each Pillow thread decodes one batch).
+        max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
+            error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
 
     Example:
         >>> with ThreadLoader("train/", batch_size=64, shuffle=True, size=(224, 224),
@@ -108,6 +111,7 @@ class ThreadLoader:
         backend: str = "auto",
         decode_threads: int | None = None,
         decode_batch_size: int | None = None,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -145,6 +149,7 @@ class ThreadLoader:
             self.device,
             backend=backend,
             cpu_threads=decode_threads or default_decode_threads(self.num_threads),
+            max_pixels=max_pixels,
         )
         self._stats = StatsRecorder()
         self._producer = BatchProducer(

@@ -6,7 +6,7 @@ Pillow's parser costs tens of microseconds with the GIL held.
 
 from __future__ import annotations
 
-__all__ = ["normalize_gray_sampling"]
+__all__ = ["has_end_marker", "normalize_gray_sampling"]
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not frames
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM and RSTn carry no length
@@ -47,3 +47,14 @@ def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | byt
             return data
         position += 2 + length
     return data
+
+
+def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) -> bool:
+    """Whether the end-of-image marker (FF D9) is in the last ``tail`` bytes.
+
+    nvImageCodec 0.9.0 decodes a JPEG cut in half "successfully", garbage in its lower half. Such
+    files go to Pillow, which raises for truncation; files with data after the marker (motion photos)
+    also go there and decode correctly, only slower. FF D9 cannot occur inside entropy-coded data.
+    """
+    end = bytes(data[-tail:])
+    return b"\xff\xd9" in end

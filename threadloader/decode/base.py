@@ -15,9 +15,22 @@ import torch
 
 from .._stats import StatsRecorder
 
-__all__ = ["DecodedBatch", "Encoded", "ImageDecoder"]
+__all__ = ["DEFAULT_MAX_PIXELS", "DecodedBatch", "Encoded", "ImageDecoder", "pixel_limit_error"]
 
 Encoded = bytes | bytearray | memoryview
+
+#: Default decompression-bomb guard: Pillow's own limit (about 89.5 million pixels, 9459 x 9459).
+DEFAULT_MAX_PIXELS = 89_478_485
+
+
+def pixel_limit_error(width: int, height: int, max_pixels: int | None) -> str | None:
+    """The error for an image over the pixel limit, read from its header before anything is decoded."""
+    if max_pixels is None or width * height <= max_pixels:
+        return None
+    return (
+        f"{width}x{height} is {width * height:,} pixels, over the limit of {max_pixels:,} "
+        "(decompression-bomb guard); pass a larger max_pixels=, or None, to allow it"
+    )
 
 
 @dataclass

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from .._stats import StatsRecorder
-from ._jpeg import normalize_gray_sampling
-from .base import DecodedBatch, Encoded, ImageDecoder
+from ._jpeg import has_end_marker, normalize_gray_sampling
+from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, pixel_limit_error
 from .pillow import decode_rgb
 
 __all__ = ["BACKENDS", "NvImageCodecDecoder", "import_nvimgcodec"]
@@ -83,13 +83,21 @@ class NvImageCodecDecoder(ImageDecoder):
     they count as errors only when Pillow fails too.
     """
 
-    def __init__(self, device: torch.device, *, backend: str = "auto", cpu_threads: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        backend: str = "auto",
+        cpu_threads: int,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"NvImageCodecDecoder needs an indexed CUDA device, got {device}")
         self._nvimgcodec = import_nvimgcodec()
         self.device = device
+        self._max_pixels = max_pixels
         self._decoder, self._lock = _shared_decoder(device.index, backend, cpu_threads)
         nv = self._nvimgcodec
         self._params = nv.DecodeParams(
@@ -122,15 +130,24 @@ class NvImageCodecDecoder(ImageDecoder):
             for position, data in enumerate(encoded):
                 try:
                     code_stream = _code_stream(nv, data)
-                    if code_stream.num_channels == 1 and code_stream.codec_name == "jpeg":
-                        fixed = normalize_gray_sampling(data)
-                        if fixed is not data:
-                            rewritten.append(fixed)
-                            code_stream = _code_stream(nv, fixed)
-                    shapes[position] = (code_stream.height, code_stream.width)
-                    code_streams[position] = code_stream
                 except Exception as exc:  # unparsable here: Pillow gets a try
                     reasons[position] = f"nvImageCodec cannot parse it ({exc})"
+                    continue
+                limit = pixel_limit_error(code_stream.width, code_stream.height, self._max_pixels)
+                if limit is not None:
+                    batch.errors[position] = limit
+                    continue
+                cpu_reason = _cpu_reason(nv, code_stream, data)
+                if cpu_reason is not None:
+                    reasons[position] = cpu_reason
+                    continue
+                if code_stream.num_channels == 1 and code_stream.codec_name == "jpeg":
+                    fixed = normalize_gray_sampling(data)
+                    if fixed is not data:
+                        rewritten.append(fixed)
+                        code_stream = _code_stream(nv, fixed)
+                shapes[position] = (code_stream.height, code_stream.width)
+                code_streams[position] = code_stream
             slots = self._allocate(batch, shapes, len(encoded))
             positions = list(code_streams)
             handle = stream.cuda_stream
@@ -198,7 +215,7 @@ class NvImageCodecDecoder(ImageDecoder):
         """Decodes the samples the GPU gave up on with Pillow, uploading into their slots where they fit."""
         for position, reason in reasons.items():
             try:
-                pixels = torch.from_numpy(decode_rgb(encoded[position]))
+                pixels = torch.from_numpy(decode_rgb(encoded[position], max_pixels=self._max_pixels))
             except Exception as exc:
                 batch.errors[position] = f"{reason}; Pillow: {type(exc).__name__}: {exc}"
                 continue
@@ -248,6 +265,31 @@ def _pixels_in(output: Any, buffer: torch.Tensor) -> torch.Tensor | None:
     )
     if interface["data"][0] == buffer.data_ptr() and contiguous and np.prod(shape) == buffer.numel():
         return buffer.view(shape)
+    return None
+
+
+#: Formats decoded on the GPU when they are plain 8-bit RGB; everything else goes to Pillow.
+_GPU_FORMATS = frozenset(["jpeg", "jpeg2k", "png", "bmp", "tiff", "webp"])
+
+
+def _cpu_reason(nvimgcodec: ModuleType, code_stream: Any, data: Encoded) -> str | None:
+    """Why a sample should be decoded by Pillow instead, or ``None`` to decode it on the GPU.
+
+    The GPU path takes what was checked against Pillow on the GPU: JPEG (grayscale, RGB, CMYK) with
+    its end marker, and the other formats as 8-bit RGB. Alpha, palettes and 16-bit samples go to
+    Pillow, which gives them the documented contract (alpha dropped, high byte kept).
+    """
+    codec = code_stream.codec_name
+    if codec not in _GPU_FORMATS:
+        return f"{codec or 'this'} format is not decoded on the GPU"
+    if codec == "jpeg":
+        return None if has_end_marker(data) else "the JPEG has no end-of-image marker (truncated?)"
+    if code_stream.num_channels != 3 or str(code_stream.dtype) != "uint8":
+        return (
+            f"{codec} with {code_stream.num_channels} channels of {code_stream.dtype} is decoded on the CPU"
+        )
+    if code_stream.color_spec == nvimgcodec.ColorSpec.PALETTE:
+        return f"palette {codec} is decoded on the CPU"
     return None
 
 

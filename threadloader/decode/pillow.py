@@ -2,7 +2,7 @@
 
 Pillow releases the GIL while it decodes, so reader threads decode in parallel. The output contract is
 the one the GPU path keeps: RGB, EXIF orientation applied, grayscale and CMYK converted to RGB, alpha
-dropped.
+dropped, 16-bit samples reduced to their high byte.
 """
 
 from __future__ import annotations
@@ -15,20 +15,33 @@ import torch
 from PIL import Image, ImageOps
 
 from .._stats import StatsRecorder
-from .base import DecodedBatch, Encoded, ImageDecoder
+from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, pixel_limit_error
 
 __all__ = ["PillowDecoder", "decode_rgb"]
 
 
-def decode_rgb(data: Encoded) -> np.ndarray:
+_SIXTEEN_BIT_GRAY = frozenset(["I;16", "I;16L", "I;16B", "I;16N", "I"])
+
+
+def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decodes one image to an ``(H, W, 3)`` ``uint8`` RGB array, EXIF orientation applied.
 
+    Alpha is dropped (not composited); palettes are expanded; 16-bit samples keep their high byte,
+    as the GPU decoders scale them.
+
     Raises:
+        ValueError: If the header declares more than ``max_pixels`` pixels (nothing is decoded).
         Exception: Whatever Pillow raises for data it cannot decode.
     """
     with Image.open(io.BytesIO(data)) as image:
+        limit = pixel_limit_error(image.width, image.height, max_pixels)
+        if limit is not None:
+            raise ValueError(limit)
         image.load()
         oriented = ImageOps.exif_transpose(image)
+        if oriented.mode in _SIXTEEN_BIT_GRAY:
+            gray = (np.asarray(oriented, dtype=np.uint32) >> 8).clip(0, 255).astype(np.uint8)
+            return np.repeat(gray[..., None], 3, axis=2)
         rgb = oriented if oriented.mode == "RGB" else oriented.convert("RGB")
         return np.array(rgb)  # writable, so torch.from_numpy can share it
 
@@ -36,8 +49,9 @@ def decode_rgb(data: Encoded) -> np.ndarray:
 class PillowDecoder(ImageDecoder):
     """Decodes a batch image by image in the calling thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> None:
         self.device = torch.device("cpu")
+        self._max_pixels = max_pixels
 
     def decode(
         self,
@@ -51,7 +65,7 @@ class PillowDecoder(ImageDecoder):
         with stats.timed("decode"):
             for position, data in enumerate(encoded):
                 try:
-                    batch.images.append(torch.from_numpy(decode_rgb(data)))
+                    batch.images.append(torch.from_numpy(decode_rgb(data, max_pixels=self._max_pixels)))
                 except Exception as exc:
                     batch.images.append(None)
                     batch.errors[position] = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,105 @@
+"""Bad inputs, other formats, fuzzing and a soak on the GPU path (CPU twin: test_robustness.py)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from threadloader import SampleError, ThreadLoader
+from threadloader._stats import StatsRecorder
+
+from .conftest import encode, mean_abs_diff, photo
+from .robustness_cases import BAD_INPUTS, corrupted_entropy_jpeg, expected_rgb, other_formats
+
+pytestmark = pytest.mark.gpu
+
+GOOD = [encode(photo(64, 80, seed), quality=90) for seed in range(3)]
+TOLERANCE = 1.0  # mean abs diff in 0-255 units, as in test_gpu.py
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_bad_input(case: str, on_error: str, tmp_path: Path) -> None:
+    make, stage = BAD_INPUTS[case]
+    bad = make(tmp_path)
+    samples = [(GOOD[0], 0), (bad, 1), (GOOD[1], 2)]
+    with ThreadLoader(samples, batch_size=3, device="cuda", on_error=on_error) as loader:  # type: ignore[arg-type]
+        if on_error == "raise":
+            with pytest.raises(SampleError) as caught:
+                list(loader)
+            assert caught.value.index == 1 and caught.value.stage == stage and bad in str(caught.value)
+        else:
+            (images, targets), *rest = list(loader)
+            assert not rest and targets.tolist() == [0, 2]
+            assert mean_abs_diff(images[1], expected_rgb("", GOOD[1])) <= TOLERANCE
+            assert loader.stats().skipped == 1
+
+
+def test_pixel_limit_on_the_gpu() -> None:
+    big = encode(photo(120, 100, 1), quality=90)
+    loader = ThreadLoader([(big, 0)], batch_size=1, device="cuda", max_pixels=10_000)
+    with loader, pytest.raises(SampleError, match="over the limit of 10,000"):
+        list(loader)
+
+
+def test_corrupted_entropy_data_does_not_crash() -> None:
+    with ThreadLoader(
+        [(corrupted_entropy_jpeg(), 0)], batch_size=1, device="cuda", on_error="skip"
+    ) as loader:
+        batches = list(loader)
+        assert len(batches) + loader.stats().skipped == 1
+
+
+@pytest.mark.parametrize("name", sorted(other_formats()))
+def test_other_formats_match_the_cpu_contract(name: str) -> None:
+    data = other_formats()[name]
+    with ThreadLoader([(data, 0)], batch_size=1, device="cuda") as loader:
+        (images, _), *_ = list(loader)
+    expected = expected_rgb(name, data)
+    assert images[0].is_cuda and tuple(images[0].shape) == (3, *expected.shape[:2])
+    assert mean_abs_diff(images[0], expected) <= TOLERANCE
+
+
+def test_twenty_epochs_without_growth() -> None:
+    samples = [(GOOD[i % 3], i) for i in range(24)]
+    threads_before = threading.active_count()
+    with ThreadLoader(samples, batch_size=4, size=(64, 80), dtype=torch.float32, device="cuda") as loader:
+        for _ in range(3):
+            list(loader)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        allocated = torch.cuda.memory_allocated()
+        for _ in range(17):
+            for _batch in loader:
+                pass
+            assert threading.active_count() == threads_before
+        del _batch
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_allocated() <= allocated
+        assert loader.stats().samples == 20 * 24
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=12),
+    cut=st.integers(0, 10_000),
+)
+def test_fuzz_mutated_jpegs_through_nvimagecodec(edits: list[tuple[int, int]], cut: int) -> None:
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    data = bytearray(GOOD[0])
+    for offset, value in edits:
+        data[offset % len(data)] = value
+    mutated = bytes(data[: max(1, len(data) - cut % len(data))])
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    stream = torch.cuda.Stream()
+    batch = decoder.decode([mutated, GOOD[1]], stream=stream, stats=StatsRecorder())
+    stream.synchronize()
+    assert batch.images[1] is not None
+    assert (batch.images[0] is None) == (0 in batch.errors)

@@ -1,0 +1,559 @@
+"""BatchDecoder: the inference-server face of the pipeline, with dynamic micro-batching.
+
+Requests arrive one image at a time from any number of threads (or an asyncio loop). The GPU decoder
+is several times faster per image on a batch, so, as Triton's dynamic batcher does, worker threads
+gather queued requests into micro-batches (up to ``max_batch`` images, or whatever has arrived
+``max_delay_ms`` after the first one) and make each with the training loader's own
+:class:`~threadloader._pipeline.BatchProducer`: same decoder, same transforms, same stream hand-off.
+Each caller gets its own image through a ``concurrent.futures.Future``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from queue import Full
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ._device import default_decode_threads, default_num_threads, make_decoder, resolve_device
+from ._handoff import ReaderStream
+from ._pipeline import Batch, BatchProducer
+from ._stats import STAGES, StatsRecorder
+from .decode.base import Encoded, ImageDecoder
+from .decode.pillow import decode_rgb
+from .errors import LoaderClosedError, SampleError, ThreadLoaderError
+from .transforms import OutputFormat
+
+__all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
+
+WhenFull = Literal["block", "raise"]
+
+#: Seconds ``close(cancel_pending=True)`` waits for the workers to finish the batch each is on.
+JOIN_TIMEOUT = 1.0
+#: Requests whose latency :meth:`BatchDecoder.stats` summarizes (the most recent ones).
+LATENCY_WINDOW = 10_000
+#: Longest a thread waits before checking again whether the service closed (wake-ups are immediate).
+_POLL = 0.5
+#: How often :meth:`BatchDecoder.adecode` retries a full queue without blocking the event loop.
+_ASYNC_RETRY = 0.002
+
+_open_services: weakref.WeakSet[BatchDecoder] = weakref.WeakSet()
+_service_numbers = itertools.count()
+
+
+class QueueFullError(ThreadLoaderError, Full):
+    """The request queue is at ``max_queue``: the service is overloaded.
+
+    Also a ``queue.Full``, so code written against the standard library's queues catches it.
+    """
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    """A snapshot of a :class:`BatchDecoder`'s counters since it was created.
+
+    ``submitted`` equals ``completed + failed + cancelled`` plus the requests still queued or being
+    decoded.
+
+    Attributes:
+        queue_depth: Requests waiting in the queue now (not yet taken by a worker).
+        submitted: Requests accepted by ``submit``.
+        rejected: Requests refused because the queue was full.
+        completed: Requests answered with an image.
+        failed: Requests answered with an error (a bad image, or a failure of their whole batch).
+        cancelled: Requests cancelled before decoding, by their caller or by ``close(cancel_pending=True)``.
+        batches: Micro-batches decoded.
+        batch_sizes: Micro-batch size to how many batches had it.
+        latency_ms_p50: Median milliseconds from ``submit`` to the result, over the most recent
+            :data:`LATENCY_WINDOW` completed requests; ``None`` before the first.
+        latency_ms_p90: 90th percentile, likewise.
+        latency_ms_p99: 99th percentile, likewise.
+        cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
+        stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``).
+    """
+
+    queue_depth: int = 0
+    submitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    batches: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    latency_ms_p50: float | None = None
+    latency_ms_p90: float | None = None
+    latency_ms_p99: float | None = None
+    cpu_fallbacks: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+
+@dataclass(slots=True)
+class _Request:
+    """One caller's image, the future it waits on, and the CUDA stream it will read the result on."""
+
+    number: int
+    data: Encoded
+    future: Future[torch.Tensor]
+    stream: torch.cuda.Stream | None
+    submitted: float  # time.perf_counter()
+
+
+class _RequestQueue:
+    """A bounded FIFO that hands out micro-batches; every wait in it ends when it is closed."""
+
+    def __init__(self, *, capacity: int, max_batch: int, max_delay: float) -> None:
+        self._capacity = capacity
+        self._max_batch = max_batch
+        self._max_delay = max_delay
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+        # Held by the one worker gathering a batch, so that concurrent arrivals fill its batch instead
+        # of being split among idle workers; the others wait here and decode in parallel meanwhile.
+        self._gathering = threading.Lock()
+        self._items: collections.deque[_Request] = collections.deque()
+        self.closed = False
+        self.submitted = self.rejected = self.cancelled = 0
+
+    def put(self, data: Encoded, stream: torch.cuda.Stream | None, *, wait: float | None) -> Future:
+        """Enqueues a request; waits up to ``wait`` seconds for room (``None``: as long as it takes).
+
+        Raises:
+            QueueFullError: If the queue is still full when the wait ends.
+            LoaderClosedError: If the service is closed, also while waiting.
+        """
+        with self._lock:
+            deadline = None if wait is None else time.monotonic() + wait
+            while len(self._items) >= self._capacity and not self.closed:
+                remaining = _POLL if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    self.rejected += 1
+                    raise QueueFullError(
+                        f"BatchDecoder queue is full: {self._capacity} requests are waiting "
+                        f"(max_queue={self._capacity}); the service is overloaded: retry later, raise "
+                        "max_queue, or use when_full='block' with a longer timeout"
+                    )
+                self._not_full.wait(min(remaining, _POLL))
+            if self.closed:
+                raise LoaderClosedError("this BatchDecoder was closed; create a new one to decode")
+            future: Future[torch.Tensor] = Future()
+            self._items.append(_Request(self.submitted, data, future, stream, time.perf_counter()))
+            self.submitted += 1
+            self._not_empty.notify()
+        return future
+
+    def gather(self) -> list[_Request] | None:
+        """Blocks for the first request, then takes more until ``max_batch`` or ``max_delay`` after it.
+
+        The delay runs from the first request's submission, so a request that already waited behind
+        busy workers is not held back further. Requests cancelled by their caller are dropped here.
+
+        Returns:
+            The micro-batch (empty when all it took were cancelled); ``None`` once closed and drained.
+        """
+        with self._gathering, self._lock:
+            while not self._items:
+                if self.closed:
+                    return None
+                self._not_empty.wait(_POLL)
+            deadline = self._items[0].submitted + self._max_delay
+            batch: list[_Request] = []
+            while len(batch) < self._max_batch:
+                if self._items:
+                    request = self._items.popleft()
+                    self._not_full.notify()
+                    if request.future.set_running_or_notify_cancel():
+                        batch.append(request)
+                    else:
+                        self.cancelled += 1
+                    continue
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0 or self.closed:
+                    break
+                self._not_empty.wait(remaining)
+            return batch
+
+    def close(self, *, cancel_pending: bool) -> None:
+        """Refuses new requests, wakes every waiter and, if asked, cancels the requests still queued."""
+        with self._lock:
+            self.closed = True
+            dropped = list(self._items) if cancel_pending else []
+            if cancel_pending:
+                self._items.clear()
+            self.cancelled += len(dropped)
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+        for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
+            request.future.cancel()
+
+    def depth(self) -> int:
+        """Requests queued now."""
+        with self._lock:
+            return len(self._items)
+
+
+class _Metrics:
+    """Thread-safe counters of answered requests and batches, and a window of recent latencies."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.completed = self.failed = self.batches = 0
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+
+    def batch(self, size: int) -> None:
+        with self._lock:
+            self.batches += 1
+            self.batch_sizes[size] += 1
+
+    def answered(self, *, ok: bool, seconds: float) -> None:
+        with self._lock:
+            if ok:
+                self.completed += 1
+                self._latencies.append(seconds * 1000)
+            else:
+                self.failed += 1
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            latencies = list(self._latencies)
+            values: dict[str, object] = {
+                "completed": self.completed,
+                "failed": self.failed,
+                "batches": self.batches,
+                "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            }
+        if latencies:
+            p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist()
+            values.update(latency_ms_p50=p50, latency_ms_p90=p90, latency_ms_p99=p99)
+        return values
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """What a worker needs to make a micro-batch; holds no reference to the service, so dropping the
+    service closes it."""
+
+    decoder: ImageDecoder
+    output: OutputFormat
+    pipeline_stats: StatsRecorder
+    metrics: _Metrics
+
+    def run(self, requests: list[_Request], reader: ReaderStream) -> None:
+        """Decodes the requests as one batch on ``reader``'s stream and answers each future."""
+        self.metrics.batch(len(requests))
+        producer = BatchProducer(
+            source=[request.data for request in requests],
+            decoder=self.decoder,
+            output=self.output,
+            on_error="skip",  # a bad image fails its own request only
+            stats=self.pipeline_stats,
+        )
+        try:
+            (outcome,) = producer.produce([range(len(requests))], reader)
+        except Exception as exc:  # e.g. CUDA out of memory: fail this batch, keep serving
+            for request in requests:
+                self._answer(request, error=exc)
+            return
+        images = dict(zip(outcome.indices, outcome.images)) if isinstance(outcome, Batch) else {}
+        for position, request in enumerate(requests):
+            image = images.get(position)
+            if image is None:
+                self._answer(request, error=_decode_error(request))
+                continue
+            if outcome.ready.event is not None and request.stream is not None:  # type: ignore[union-attr]
+                # As Ready.receive, but on the stream that was current in the submitting thread.
+                request.stream.wait_event(outcome.ready.event)  # type: ignore[union-attr]
+                image.record_stream(request.stream)
+            self._answer(request, image=image)
+
+    def _answer(
+        self, request: _Request, *, image: torch.Tensor | None = None, error: BaseException | None = None
+    ) -> None:
+        self.metrics.answered(ok=error is None, seconds=time.perf_counter() - request.submitted)
+        if error is None:
+            request.future.set_result(image)  # type: ignore[arg-type]
+        else:
+            request.future.set_exception(error)
+
+
+def _decode_error(request: _Request) -> SampleError:
+    """The error of a request the decoder rejected, with Pillow's reason (what the GPU path falls back to).
+
+    BatchProducer logs skipped samples but does not return their errors, so the reason is recovered by
+    decoding the bad image alone; this costs time only for bad images.
+    """
+    try:
+        decode_rgb(request.data)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        reason = "the decoder rejected it"
+    return SampleError(
+        index=request.number, origin=f"request {request.number}", stage="decode", reason=reason
+    )
+
+
+def _serve(queue: _RequestQueue, engine: _Engine, reader: ReaderStream) -> None:
+    """A worker thread: gathers micro-batches and decodes them until the queue is closed and drained."""
+    while (requests := queue.gather()) is not None:
+        if requests:
+            engine.run(requests, reader)
+
+
+class BatchDecoder:
+    """Decodes images sent one at a time from many threads, in dynamically gathered micro-batches.
+
+    Safe to call from any number of threads and from asyncio. Each result is one ``(3, H, W)`` tensor
+    on ``device`` (a view of its micro-batch's tensor when ``size`` is set), formatted exactly as
+    :class:`ThreadLoader` formats batches.
+
+    Stream safety: ``submit`` records the CUDA stream current in the calling thread. When the batch
+    is done, the worker makes that stream wait on the batch's event (a device-side wait) and calls
+    ``record_stream`` for it on the result, then completes the future. So the tensor can be used on
+    that stream straight away, with no host sync; to use it on another stream, make that stream wait
+    for the submitting one first. On the CPU none of this applies.
+
+    Args:
+        device: ``None`` picks ``"cuda"`` when a GPU and nvImageCodec are usable, else ``"cpu"``.
+        max_batch: Most requests decoded together.
+        max_delay_ms: Longest a request waits for others to join its batch, counted from its
+            submission: the latency spent to buy throughput. ``0`` batches only what is already queued.
+        size: ``(H, W)`` to resize every image to; ``None`` keeps each image's size.
+        dtype: ``torch.uint8``, or a float type scaled to [0, 1].
+        mean: Per-channel mean to subtract (float dtypes, with ``std``), on the [0, 1] scale.
+        std: Per-channel standard deviation to divide by.
+        channels_last: Results are views of ``channels_last`` batches (needs ``size``).
+        num_threads: Worker threads, each gathering and decoding whole batches on its own CUDA stream;
+            default as for :class:`ThreadLoader` (2 on a GPU, the CPU count on the CPU).
+        max_queue: Most requests waiting; the memory bound.
+        when_full: What ``submit`` does when ``max_queue`` requests wait: ``"block"`` until there is
+            room (or ``timeout``), ``"raise"`` :class:`QueueFullError` at once (shed load).
+        backend: GPU decoding backend, as for :class:`ThreadLoader`.
+        decode_threads: nvImageCodec's own CPU threads; default: the cores the workers leave free.
+
+    Example:
+        >>> with BatchDecoder(size=(224, 224), dtype=torch.float32) as decoder:  # doctest: +SKIP
+        ...     image = decoder.decode(request_body)  # (3, 224, 224), ready on this thread's stream
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | int | None = None,
+        max_batch: int = 64,
+        max_delay_ms: float = 2.0,
+        size: tuple[int, int] | None = None,
+        dtype: torch.dtype = torch.uint8,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        channels_last: bool = False,
+        num_threads: int | None = None,
+        max_queue: int = 1024,
+        when_full: WhenFull = "block",
+        backend: str = "auto",
+        decode_threads: int | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be 0 or more, got {max_delay_ms}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        if when_full not in ("block", "raise"):
+            raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        output = OutputFormat(
+            size=size,
+            dtype=dtype,
+            mean=tuple(mean) if mean is not None else None,  # type: ignore[arg-type]
+            std=tuple(std) if std is not None else None,  # type: ignore[arg-type]
+            channels_last=channels_last,
+        )
+        self.device = resolve_device(device)
+        self.num_threads = num_threads or default_num_threads(self.device)
+        self.max_batch = max_batch
+        self.max_delay_ms = float(max_delay_ms)
+        self.max_queue = max_queue
+        self.when_full: WhenFull = when_full
+        self._output = output
+        self._pipeline_stats = StatsRecorder()
+        self._metrics = _Metrics()
+        engine = _Engine(
+            decoder=make_decoder(
+                self.device,
+                backend=backend,
+                cpu_threads=decode_threads or default_decode_threads(self.num_threads),
+            ),
+            output=output,
+            pipeline_stats=self._pipeline_stats,
+            metrics=self._metrics,
+        )
+        self._queue = _RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
+        number = next(_service_numbers)
+        self._threads = [
+            threading.Thread(
+                target=_serve,
+                args=(self._queue, engine, ReaderStream(self.device)),
+                name=f"threadloader-service{number}-{i}",
+                daemon=True,
+            )
+            for i in range(self.num_threads)
+        ]
+        _open_services.add(self)
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, data: Encoded, *, timeout: float | None = None) -> Future[torch.Tensor]:
+        """Queues one encoded image; the future's result is its ``(3, H, W)`` tensor.
+
+        The result is safe to use on the CUDA stream current in this thread now (see the class notes).
+        A bad image fails only its own future, with :class:`SampleError`. Cancelling the future before
+        a worker takes it drops the request.
+
+        Args:
+            data: The encoded image (JPEG, PNG, ... bytes).
+            timeout: With ``when_full="block"``, most seconds to wait for room in the queue (``None``:
+                as long as it takes).
+
+        Raises:
+            QueueFullError: The queue is full (at once with ``when_full="raise"``, else after ``timeout``).
+            LoaderClosedError: The service is closed.
+        """
+        return self._queue.put(
+            _checked(data), self._caller_stream(), wait=timeout if self.when_full == "block" else 0.0
+        )
+
+    def decode(self, data: Encoded) -> torch.Tensor:
+        """Decodes one image, blocking until it is done; see :meth:`submit`.
+
+        Raises:
+            SampleError: If the image cannot be decoded.
+        """
+        return self.submit(data).result()
+
+    def decode_many(self, images: Sequence[Encoded]) -> list[torch.Tensor]:
+        """Decodes several images, in order; they may share micro-batches with other callers' requests.
+
+        Raises:
+            SampleError: The first bad image's error (the others are still decoded).
+            QueueFullError: With ``when_full="raise"``, when they do not fit; those already queued are
+                cancelled.
+        """
+        futures: list[Future[torch.Tensor]] = []
+        try:
+            futures.extend(self.submit(data) for data in images)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return [future.result() for future in futures]
+
+    async def adecode(self, data: Encoded) -> torch.Tensor:
+        """Decodes one image from asyncio, never blocking the event loop.
+
+        The result is safe on the CUDA stream current in the loop's thread. With ``when_full="block"``,
+        a full queue is waited out by retrying every few milliseconds (``asyncio.wait_for`` bounds it);
+        cancelling the awaiting task cancels a request not yet decoded.
+
+        Raises:
+            SampleError: If the image cannot be decoded.
+            QueueFullError: With ``when_full="raise"``, when the queue is full.
+        """
+        data, stream = _checked(data), self._caller_stream()
+        while True:
+            try:
+                future = self._queue.put(data, stream, wait=0.0)
+                break
+            except QueueFullError:
+                if self.when_full == "raise":
+                    raise
+            await asyncio.sleep(_ASYNC_RETRY)
+        return await asyncio.wrap_future(future)
+
+    def stats(self) -> ServiceStats:
+        """Counters, the batch-size histogram and recent latency percentiles since construction."""
+        queue = self._queue
+        pipeline = self._pipeline_stats.snapshot()
+        return ServiceStats(
+            queue_depth=queue.depth(),
+            submitted=queue.submitted,
+            rejected=queue.rejected,
+            cancelled=queue.cancelled,
+            cpu_fallbacks=pipeline.cpu_fallbacks,
+            stage_seconds=pipeline.stage_seconds,
+            **self._metrics.snapshot(),  # type: ignore[arg-type]
+        )
+
+    def close(self, *, cancel_pending: bool = False) -> None:
+        """Stops the service; further ``submit`` calls raise :class:`LoaderClosedError`. Idempotent.
+
+        Args:
+            cancel_pending: ``False`` (default) decodes every request already queued, then stops: close
+                returns when they are all answered. ``True`` cancels the queued requests (their futures
+                raise ``CancelledError``); the batches being decoded still complete, and the workers
+                are joined within about a second.
+        """
+        self._queue.close(cancel_pending=cancel_pending)
+        deadline = time.monotonic() + JOIN_TIMEOUT if cancel_pending else None
+        current = threading.current_thread()  # close() may run in a worker, from a done-callback
+        for thread in self._threads:
+            if thread is not current:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _open_services.discard(self)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads (for tests and diagnostics)."""
+        return list(self._threads)
+
+    def _caller_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def __enter__(self) -> BatchDecoder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Nobody can wait on what is still queued once the service is unreachable... except holders of
+        # its futures, who get CancelledError rather than a finalizer that blocks.
+        if getattr(self, "_threads", None) is not None:
+            self.close(cancel_pending=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchDecoder(device={self.device}, max_batch={self.max_batch}, "
+            f"max_delay_ms={self.max_delay_ms}, num_threads={self.num_threads}, "
+            f"max_queue={self.max_queue}, when_full={self.when_full!r}, output={self._output})"
+        )
+
+
+def _checked(data: object) -> Encoded:
+    """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"BatchDecoder decodes encoded image bytes, got {type(data).__name__}; "
+            "pass the file's contents (open(path, 'rb').read()), not its path"
+        )
+    return data
+
+
+@atexit.register
+def _close_open_services() -> None:
+    """Joins worker threads before the interpreter tears down the libraries they are calling into."""
+    for service in list(_open_services):
+        service.close(cancel_pending=True)
