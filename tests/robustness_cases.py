@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 import numpy as np
+from hypothesis import strategies as st
 from PIL import Image
 
 from .conftest import encode, photo
@@ -77,6 +78,21 @@ def corrupted_entropy_jpeg() -> bytes:
     for k in range(middle, middle + 40):
         data[k] ^= 0x5A
     return bytes(data)
+
+
+def mutate(data: bytes, edits: list[tuple[int, int]], cut: int) -> bytes:
+    """``data`` with bytes overwritten at ``edits`` (offset, value) and ``cut`` bytes cut off its end."""
+    mutated = bytearray(data)
+    for offset, value in edits:
+        mutated[offset % len(mutated)] = value
+    return bytes(mutated[: max(1, len(mutated) - cut % len(mutated))])
+
+
+#: Hypothesis arguments for :func:`mutate`.
+MUTATIONS = {
+    "edits": st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=12),
+    "cut": st.integers(0, 10_000),
+}
 
 
 def _save(image: Image.Image, fmt: str, **options: object) -> bytes:

@@ -8,13 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from threadloader import SampleError, ThreadLoader
 from threadloader._stats import StatsRecorder
 
 from .conftest import encode, mean_abs_diff, photo
-from .robustness_cases import BAD_INPUTS, corrupted_entropy_jpeg, expected_rgb, other_formats
+from .robustness_cases import (
+    BAD_INPUTS,
+    MUTATIONS,
+    corrupted_entropy_jpeg,
+    expected_rgb,
+    mutate,
+    other_formats,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -86,17 +92,11 @@ def test_twenty_epochs_without_growth() -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=12),
-    cut=st.integers(0, 10_000),
-)
+@given(**MUTATIONS)
 def test_fuzz_mutated_jpegs_through_nvimagecodec(edits: list[tuple[int, int]], cut: int) -> None:
     from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
-    data = bytearray(GOOD[0])
-    for offset, value in edits:
-        data[offset % len(data)] = value
-    mutated = bytes(data[: max(1, len(data) - cut % len(data))])
+    mutated = mutate(GOOD[0], edits, cut)
     decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
     stream = torch.cuda.Stream()
     batch = decoder.decode([mutated, GOOD[1]], stream=stream, stats=StatsRecorder())

@@ -14,14 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from threadloader import SampleError, ThreadLoader
 from threadloader._stats import StatsRecorder
 from threadloader.decode.pillow import PillowDecoder
 
 from .conftest import encode, mean_abs_diff, photo, reader_threads
-from .robustness_cases import BAD_INPUTS, corrupted_entropy_jpeg, expected_rgb, other_formats
+from .robustness_cases import (
+    BAD_INPUTS,
+    MUTATIONS,
+    corrupted_entropy_jpeg,
+    expected_rgb,
+    mutate,
+    other_formats,
+)
 
 GOOD = [encode(photo(64, 80, seed), quality=90) for seed in range(3)]
 
@@ -165,15 +171,9 @@ def test_fifty_epochs_without_growth() -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=12),
-    cut=st.integers(0, 10_000),
-)
+@given(**MUTATIONS)
 def test_fuzz_mutated_jpegs_never_escape_the_decoder(edits: list[tuple[int, int]], cut: int) -> None:
-    data = bytearray(GOOD[0])
-    for offset, value in edits:
-        data[offset % len(data)] = value
-    mutated = bytes(data[: max(1, len(data) - cut % len(data))])
+    mutated = mutate(GOOD[0], edits, cut)
     batch = PillowDecoder().decode([mutated, GOOD[1]], stream=None, stats=StatsRecorder())
     assert batch.images[1] is not None  # the good neighbour is unaffected
     image = batch.images[0]

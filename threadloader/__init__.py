@@ -8,20 +8,26 @@ the output is the same.
 
 from ._sources import IMAGE_EXTENSIONS, ImageFolder
 from ._stats import STAGES, LoaderStats
+from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
 from .loader import ThreadLoader
+from .service import BatchDecoder, QueueFullError, ServiceStats
 from .transforms import OutputFormat
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_MAX_PIXELS",
     "IMAGE_EXTENSIONS",
     "STAGES",
+    "BatchDecoder",
     "ImageFolder",
     "LoaderClosedError",
     "LoaderStats",
     "OutputFormat",
+    "QueueFullError",
     "SampleError",
+    "ServiceStats",
     "ThreadLoader",
     "ThreadLoaderError",
     "__version__",

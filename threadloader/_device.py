@@ -22,6 +22,7 @@ __all__ = [
     "default_num_threads",
     "make_decoder",
     "resolve_device",
+    "set_up_decoding",
 ]
 
 logger = logging.getLogger("threadloader")
@@ -114,3 +115,24 @@ def make_decoder(
             )
         return PillowDecoder(max_pixels=max_pixels)
     return NvImageCodecDecoder(device, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels)
+
+
+def set_up_decoding(
+    *,
+    device: str | torch.device | int | None,
+    num_threads: int | None,
+    backend: str,
+    decode_threads: int | None,
+    max_pixels: int | None,
+) -> tuple[torch.device, int, ImageDecoder]:
+    """What every front end does first: the device, the reader-thread count and the decoder for them."""
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    resolved = resolve_device(device)
+    threads = num_threads or default_num_threads(resolved)
+    cpu_threads = decode_threads or default_decode_threads(threads)
+    return (
+        resolved,
+        threads,
+        make_decoder(resolved, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels),
+    )

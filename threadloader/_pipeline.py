@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,9 +50,10 @@ class BatchProducer:
         source: Indexed by reader threads.
         decoder: Decodes a batch on the thread's stream.
         output: Resize, dtype, normalization and layout of every batch.
-        on_error: ``"raise"`` makes the batch fail with the sample's :class:`SampleError`; ``"skip"`` logs
-            a warning, counts the sample and leaves it out.
+        on_error: ``"raise"`` makes the batch fail with the sample's :class:`SampleError`; ``"skip"`` counts
+            the sample, leaves it out and passes its error to ``on_skip``.
         stats: Where counters and stage times go.
+        on_skip: Called with each skipped sample's error, in the reader thread; default: log a warning.
     """
 
     def __init__(
@@ -63,12 +64,14 @@ class BatchProducer:
         output: OutputFormat,
         on_error: OnError,
         stats: StatsRecorder,
+        on_skip: Callable[[SampleError], None] | None = None,
     ) -> None:
         self._source = source
         self._decoder = decoder
         self._output = output
         self._on_error = on_error
         self._stats = stats
+        self._on_skip = on_skip or _log_skip
 
     def produce(self, batches: Sequence[Sequence[int]], reader: ReaderStream) -> list[Outcome]:
         """Makes consecutive batches with one decoder call, on ``reader``'s stream.
@@ -124,7 +127,7 @@ class BatchProducer:
                     break
                 for error in errors:
                     self._stats.count("skipped")
-                    logger.warning("skipping %s", error)
+                    self._on_skip(error)
                 outcomes.append(self._finish(refs, decoded, first, last, reader) if decoded else None)
                 first = last
         return outcomes
@@ -146,6 +149,10 @@ class BatchProducer:
             indices=[refs[p].index for p in kept],
             ready=reader.seal(images if isinstance(images, list) else [images]),
         )
+
+
+def _log_skip(error: SampleError) -> None:
+    logger.warning("skipping %s", error)
 
 
 def collate_targets(targets: list[Any]) -> Any:

@@ -16,13 +16,7 @@ from typing import Any
 
 import torch
 
-from ._device import (
-    default_decode_batch_size,
-    default_decode_threads,
-    default_num_threads,
-    make_decoder,
-    resolve_device,
-)
+from ._device import default_decode_batch_size, set_up_decoding
 from ._handoff import ReaderStream
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._sampling import BatchPlan, group_batches
@@ -115,8 +109,6 @@ class ThreadLoader:
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
         if decode_batch_size is not None and decode_batch_size < 1:
             raise ValueError(f"decode_batch_size must be at least 1, got {decode_batch_size}")
         if prefetch < 1:
@@ -137,20 +129,19 @@ class ThreadLoader:
         self._output = OutputFormat(
             size=size,
             dtype=dtype,
-            mean=tuple(mean) if mean is not None else None,  # type: ignore[arg-type]
-            std=tuple(std) if std is not None else None,  # type: ignore[arg-type]
+            mean=mean,
+            std=std,
             channels_last=channels_last,
         )
-        self.device = resolve_device(device)
-        self.num_threads = num_threads or default_num_threads(self.device)
-        self.prefetch = prefetch
-        self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
-        decoder = make_decoder(
-            self.device,
+        self.device, self.num_threads, decoder = set_up_decoding(
+            device=device,
+            num_threads=num_threads,
             backend=backend,
-            cpu_threads=decode_threads or default_decode_threads(self.num_threads),
+            decode_threads=decode_threads,
             max_pixels=max_pixels,
         )
+        self.prefetch = prefetch
+        self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
         self._stats = StatsRecorder()
         self._producer = BatchProducer(
             source=self._source, decoder=decoder, output=self._output, on_error=on_error, stats=self._stats

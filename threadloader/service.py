@@ -26,12 +26,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ._device import default_decode_threads, default_num_threads, make_decoder, resolve_device
+from ._device import set_up_decoding
 from ._handoff import ReaderStream
 from ._pipeline import Batch, BatchProducer
 from ._stats import STAGES, StatsRecorder
-from .decode.base import Encoded, ImageDecoder
-from .decode.pillow import decode_rgb
+from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
 from .transforms import OutputFormat
 
@@ -126,7 +125,9 @@ class _RequestQueue:
         self.closed = False
         self.submitted = self.rejected = self.cancelled = 0
 
-    def put(self, data: Encoded, stream: torch.cuda.Stream | None, *, wait: float | None) -> Future:
+    def put(
+        self, data: Encoded, stream: torch.cuda.Stream | None, *, wait: float | None
+    ) -> Future[torch.Tensor]:
         """Enqueues a request; waits up to ``wait`` seconds for room (``None``: as long as it takes).
 
         Raises:
@@ -140,9 +141,9 @@ class _RequestQueue:
                 if remaining <= 0:
                     self.rejected += 1
                     raise QueueFullError(
-                        f"BatchDecoder queue is full: {self._capacity} requests are waiting "
-                        f"(max_queue={self._capacity}); the service is overloaded: retry later, raise "
-                        "max_queue, or use when_full='block' with a longer timeout"
+                        f"BatchDecoder queue is full ({self._capacity} requests waiting, "
+                        f"max_queue={self._capacity}): the service is overloaded; retry later or raise "
+                        "max_queue"
                     )
                 self._not_full.wait(min(remaining, _POLL))
             if self.closed:
@@ -197,10 +198,15 @@ class _RequestQueue:
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
             request.future.cancel()
 
-    def depth(self) -> int:
-        """Requests queued now."""
+    def counts(self) -> dict[str, int]:
+        """Requests queued now, and the queue's counters, read together."""
         with self._lock:
-            return len(self._items)
+            return {
+                "queue_depth": len(self._items),
+                "submitted": self.submitted,
+                "rejected": self.rejected,
+                "cancelled": self.cancelled,
+            }
 
 
 class _Metrics:
@@ -242,8 +248,10 @@ class _Metrics:
 
 @dataclass(frozen=True)
 class _Engine:
-    """What a worker needs to make a micro-batch; holds no reference to the service, so dropping the
-    service closes it."""
+    """What a worker needs to make a micro-batch.
+
+    It holds no reference to the service, so that dropping the service runs its finalizer.
+    """
 
     decoder: ImageDecoder
     output: OutputFormat
@@ -253,28 +261,36 @@ class _Engine:
     def run(self, requests: list[_Request], reader: ReaderStream) -> None:
         """Decodes the requests as one batch on ``reader``'s stream and answers each future."""
         self.metrics.batch(len(requests))
+        try:
+            self._decode(requests, reader)
+        except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
+            for request in requests:
+                if not request.future.done():
+                    self._answer(request, error=exc)
+
+    def _decode(self, requests: list[_Request], reader: ReaderStream) -> None:
+        rejected: dict[int, SampleError] = {}
         producer = BatchProducer(
             source=[request.data for request in requests],
             decoder=self.decoder,
             output=self.output,
             on_error="skip",  # a bad image fails its own request only
             stats=self.pipeline_stats,
+            on_skip=lambda error: rejected.__setitem__(error.index, error),
         )
-        try:
-            (outcome,) = producer.produce([range(len(requests))], reader)
-        except Exception as exc:  # e.g. CUDA out of memory: fail this batch, keep serving
-            for request in requests:
-                self._answer(request, error=exc)
-            return
-        images = dict(zip(outcome.indices, outcome.images)) if isinstance(outcome, Batch) else {}
+        (outcome,) = producer.produce([range(len(requests))], reader)
+        if isinstance(outcome, Batch):
+            images, event = dict(zip(outcome.indices, outcome.images, strict=True)), outcome.ready.event
+        else:  # every image of the batch failed
+            images, event = {}, None
         for position, request in enumerate(requests):
             image = images.get(position)
             if image is None:
-                self._answer(request, error=_decode_error(request))
+                self._answer(request, error=_request_error(request, rejected.get(position)))
                 continue
-            if outcome.ready.event is not None and request.stream is not None:  # type: ignore[union-attr]
+            if event is not None and request.stream is not None:
                 # As Ready.receive, but on the stream that was current in the submitting thread.
-                request.stream.wait_event(outcome.ready.event)  # type: ignore[union-attr]
+                request.stream.wait_event(event)
                 image.record_stream(request.stream)
             self._answer(request, image=image)
 
@@ -288,21 +304,12 @@ class _Engine:
             request.future.set_exception(error)
 
 
-def _decode_error(request: _Request) -> SampleError:
-    """The error of a request the decoder rejected, with Pillow's reason (what the GPU path falls back to).
-
-    BatchProducer logs skipped samples but does not return their errors, so the reason is recovered by
-    decoding the bad image alone; this costs time only for bad images.
-    """
-    try:
-        decode_rgb(request.data)
-    except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}"
-    else:
-        reason = "the decoder rejected it"
-    return SampleError(
-        index=request.number, origin=f"request {request.number}", stage="decode", reason=reason
-    )
+def _request_error(request: _Request, error: SampleError | None) -> SampleError:
+    """The pipeline's error for a rejected image, renamed after the request rather than its batch slot."""
+    origin = f"request {request.number}, {len(request.data)} bytes"
+    reason = error.reason if error is not None else "the decoder rejected it"
+    stage = error.stage if error is not None else "decode"
+    return SampleError(index=request.number, origin=origin, stage=stage, reason=reason)
 
 
 def _serve(queue: _RequestQueue, engine: _Engine, reader: ReaderStream) -> None:
@@ -342,6 +349,8 @@ class BatchDecoder:
             room (or ``timeout``), ``"raise"`` :class:`QueueFullError` at once (shed load).
         backend: GPU decoding backend, as for :class:`ThreadLoader`.
         decode_threads: nvImageCodec's own CPU threads; default: the cores the workers leave free.
+        max_pixels: Decompression-bomb guard: an image whose header declares more pixels fails its
+            request, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
 
     Example:
         >>> with BatchDecoder(size=(224, 224), dtype=torch.float32) as decoder:  # doctest: +SKIP
@@ -364,6 +373,7 @@ class BatchDecoder:
         when_full: WhenFull = "block",
         backend: str = "auto",
         decode_threads: int | None = None,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -373,17 +383,20 @@ class BatchDecoder:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         if when_full not in ("block", "raise"):
             raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
         output = OutputFormat(
             size=size,
             dtype=dtype,
-            mean=tuple(mean) if mean is not None else None,  # type: ignore[arg-type]
-            std=tuple(std) if std is not None else None,  # type: ignore[arg-type]
+            mean=mean,
+            std=std,
             channels_last=channels_last,
         )
-        self.device = resolve_device(device)
-        self.num_threads = num_threads or default_num_threads(self.device)
+        self.device, self.num_threads, decoder = set_up_decoding(
+            device=device,
+            num_threads=num_threads,
+            backend=backend,
+            decode_threads=decode_threads,
+            max_pixels=max_pixels,
+        )
         self.max_batch = max_batch
         self.max_delay_ms = float(max_delay_ms)
         self.max_queue = max_queue
@@ -392,11 +405,7 @@ class BatchDecoder:
         self._pipeline_stats = StatsRecorder()
         self._metrics = _Metrics()
         engine = _Engine(
-            decoder=make_decoder(
-                self.device,
-                backend=backend,
-                cpu_threads=decode_threads or default_decode_threads(self.num_threads),
-            ),
+            decoder=decoder,
             output=output,
             pipeline_stats=self._pipeline_stats,
             metrics=self._metrics,
@@ -420,8 +429,9 @@ class BatchDecoder:
         """Queues one encoded image; the future's result is its ``(3, H, W)`` tensor.
 
         The result is safe to use on the CUDA stream current in this thread now (see the class notes).
-        A bad image fails only its own future, with :class:`SampleError`. Cancelling the future before
-        a worker takes it drops the request.
+        A bad image fails only its own future, with a :class:`SampleError` whose ``index`` is the
+        request's submission number. Cancelling the future before a worker takes it drops the request.
+        Done-callbacks run in a worker thread: keep them short.
 
         Args:
             data: The encoded image (JPEG, PNG, ... bytes).
@@ -485,13 +495,9 @@ class BatchDecoder:
 
     def stats(self) -> ServiceStats:
         """Counters, the batch-size histogram and recent latency percentiles since construction."""
-        queue = self._queue
         pipeline = self._pipeline_stats.snapshot()
         return ServiceStats(
-            queue_depth=queue.depth(),
-            submitted=queue.submitted,
-            rejected=queue.rejected,
-            cancelled=queue.cancelled,
+            **self._queue.counts(),
             cpu_fallbacks=pipeline.cpu_fallbacks,
             stage_seconds=pipeline.stage_seconds,
             **self._metrics.snapshot(),  # type: ignore[arg-type]
@@ -529,8 +535,7 @@ class BatchDecoder:
         self.close()
 
     def __del__(self) -> None:
-        # Nobody can wait on what is still queued once the service is unreachable... except holders of
-        # its futures, who get CancelledError rather than a finalizer that blocks.
+        # A finalizer must not block on queued work: holders of pending futures get CancelledError.
         if getattr(self, "_threads", None) is not None:
             self.close(cancel_pending=True)
 

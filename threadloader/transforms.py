@@ -36,8 +36,8 @@ class OutputFormat:
 
     size: tuple[int, int] | None = None
     dtype: torch.dtype = torch.uint8
-    mean: tuple[float, float, float] | None = None
-    std: tuple[float, float, float] | None = None
+    mean: Sequence[float] | None = None
+    std: Sequence[float] | None = None
     channels_last: bool = False
 
     def __post_init__(self) -> None:

@@ -1,0 +1,445 @@
+"""BatchDecoder: results matched to callers under concurrency, micro-batching, backpressure, errors,
+shutdown, and the example server and load test."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import http.client
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from threadloader import BatchDecoder, LoaderClosedError, OutputFormat, SampleError, ThreadLoaderError
+from threadloader import _device as device_module
+from threadloader._stats import StatsRecorder
+from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
+from threadloader.service import QueueFullError
+
+from .conftest import encode, mean_abs_diff, photo, pil_reference, reader_threads
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+N = 48
+
+
+@pytest.fixture(scope="module")
+def blobs() -> list[bytes]:
+    """Small JPEGs of different sizes, so that a result given to the wrong caller cannot match."""
+    return [encode(photo(16 + i % 5, 24 + i % 7, seed=i), quality=90) for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def refs(blobs: list[bytes]) -> list[np.ndarray]:
+    return [pil_reference(b) for b in blobs]
+
+
+def assert_image(image: torch.Tensor, ref: np.ndarray) -> None:
+    np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), ref)
+
+
+class GatedDecoder(ImageDecoder):
+    """Pillow behind a gate: a call blocks until the test opens it, so the queue's state is known."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.sizes: list[int] = []
+        self._inner = PillowDecoder()
+
+    def decode(
+        self, encoded: Sequence[bytes | bytearray | memoryview], *, stream: None, stats: StatsRecorder
+    ) -> DecodedBatch:
+        self.sizes.append(len(encoded))
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return self._inner.decode(encoded, stream=stream, stats=stats)
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedDecoder]:
+    decoder = GatedDecoder()
+    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: decoder)
+    yield decoder
+    decoder.gate.set()  # never leave a worker blocked, whatever the test did
+
+
+def plugged(decoder: GatedDecoder, **options: object) -> tuple[BatchDecoder, concurrent.futures.Future]:
+    """A one-worker service whose worker is blocked in the decoder on a first request."""
+    service = BatchDecoder(device="cpu", num_threads=1, max_delay_ms=0, **options)  # type: ignore[arg-type]
+    plug = service.submit(encode(photo(8, 8)))
+    assert decoder.entered.wait(5)
+    return service, plug
+
+
+def test_concurrent_submit_from_16_threads(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    start = threading.Barrier(16)
+    with BatchDecoder(device="cpu", max_batch=8, max_delay_ms=5, num_threads=2) as service:
+
+        def caller(offset: int) -> list[tuple[int, concurrent.futures.Future]]:
+            start.wait()
+            picks = [(offset * 5 + k) % N for k in range(12)]
+            return [(i, service.submit(blobs[i])) for i in picks]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            submitted = [pair for pairs in pool.map(caller, range(16)) for pair in pairs]
+        for index, future in submitted:
+            assert_image(future.result(timeout=10), refs[index])
+        stats = service.stats()
+    assert stats.submitted == stats.completed == 16 * 12
+    assert stats.failed == stats.cancelled == stats.rejected == stats.queue_depth == 0
+    assert sum(size * n for size, n in stats.batch_sizes.items()) == 16 * 12
+    assert max(stats.batch_sizes) <= 8
+
+
+def test_decode_and_decode_many(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    with BatchDecoder(device="cpu", num_threads=2) as service:
+        assert_image(service.decode(blobs[0]), refs[0])
+        for image, ref in zip(service.decode_many(blobs), refs, strict=True):
+            assert_image(image, ref)
+        assert service.decode_many([]) == []
+        with pytest.raises(TypeError, match="not its path"):
+            service.submit("photo.jpg")  # type: ignore[arg-type]
+
+
+def test_output_format_as_the_loader(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    options = {"size": (20, 30), "dtype": torch.float32, "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.3, 0.4)}
+    with BatchDecoder(device="cpu", channels_last=True, **options) as service:  # type: ignore[arg-type]
+        images = service.decode_many(blobs[:6])
+    expected = OutputFormat(**options).apply([torch.from_numpy(ref) for ref in refs[:6]])  # type: ignore[arg-type]
+    for image, want in zip(images, expected, strict=True):
+        assert image.shape == (3, 20, 30) and image.dtype == torch.float32
+        torch.testing.assert_close(image, want)
+
+
+def test_asyncio(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    async def main(service: BatchDecoder) -> list[torch.Tensor]:
+        return await asyncio.gather(*(service.adecode(data) for data in blobs))
+
+    with BatchDecoder(device="cpu", max_batch=16, max_delay_ms=5, num_threads=2) as service:
+        for image, ref in zip(asyncio.run(main(service)), refs, strict=True):
+            assert_image(image, ref)
+        with pytest.raises(SampleError):
+            asyncio.run(service.adecode(b"not an image"))
+
+
+def test_batching_happens_without_a_gate(blobs: list[bytes]) -> None:
+    with BatchDecoder(device="cpu", max_batch=16, max_delay_ms=500, num_threads=1) as service:
+        futures = [service.submit(blobs[i % N]) for i in range(64)]
+        concurrent.futures.wait(futures, timeout=10)
+        sizes = service.stats().batch_sizes
+    assert max(sizes) > 1 and max(sizes) <= 16
+    assert sum(size * n for size, n in sizes.items()) == 64
+
+
+def test_max_batch_and_what_is_queued_goes_together(gated: GatedDecoder, blobs: list[bytes]) -> None:
+    service, plug = plugged(gated, max_batch=8)
+    with service:
+        futures = [service.submit(blobs[i]) for i in range(20)]  # queued while the worker is blocked
+        assert service.stats().queue_depth == 20
+        gated.gate.set()
+        concurrent.futures.wait([plug, *futures], timeout=10)
+    assert gated.sizes == [1, 8, 8, 4]
+    assert service.stats().batch_sizes == {1: 1, 4: 1, 8: 2}
+
+
+def test_max_delay_waits_for_company(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    with BatchDecoder(device="cpu", max_delay_ms=100, num_threads=1) as service:
+        started = time.perf_counter()
+        assert_image(service.decode(blobs[0]), refs[0])
+        assert 0.09 < time.perf_counter() - started < 2
+        p50 = service.stats().latency_ms_p50
+        assert p50 is not None and p50 >= 90
+
+
+def test_backpressure_raise(gated: GatedDecoder, blobs: list[bytes]) -> None:
+    service, plug = plugged(gated, max_batch=1, max_queue=2, when_full="raise")
+    with service:
+        queued = [service.submit(blobs[0]), service.submit(blobs[1])]
+        with pytest.raises(QueueFullError, match="max_queue=2") as caught:
+            service.submit(blobs[2])
+        assert isinstance(caught.value, queue.Full) and isinstance(caught.value, ThreadLoaderError)
+
+        async def shed() -> None:
+            await service.adecode(blobs[2])
+
+        with pytest.raises(QueueFullError):
+            asyncio.run(shed())
+        stats = service.stats()
+        assert (stats.queue_depth, stats.submitted, stats.rejected) == (2, 3, 2)
+        gated.gate.set()
+        for future in [plug, *queued]:
+            future.result(timeout=5)
+
+
+def test_decode_many_cancels_what_it_queued_when_it_does_not_fit(
+    gated: GatedDecoder, blobs: list[bytes]
+) -> None:
+    service, plug = plugged(gated, max_batch=1, max_queue=2, when_full="raise")
+    with pytest.raises(QueueFullError):
+        service.decode_many(blobs[:3])
+    gated.gate.set()
+    service.close()
+    plug.result()
+    stats = service.stats()
+    assert (stats.submitted, stats.completed, stats.cancelled, stats.rejected) == (3, 1, 2, 1)
+
+
+def test_backpressure_block(gated: GatedDecoder, blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    service, plug = plugged(gated, max_batch=1, max_queue=2)
+    with service:
+        queued = [service.submit(blobs[0]), service.submit(blobs[1])]
+        started = time.perf_counter()
+        with pytest.raises(QueueFullError, match="max_queue=2"):
+            service.submit(blobs[2], timeout=0.05)
+        assert time.perf_counter() - started >= 0.05
+        blocked: list[concurrent.futures.Future] = []
+        submitter = threading.Thread(target=lambda: blocked.append(service.submit(blobs[2])))
+        submitter.start()
+
+        async def waits_for_room() -> torch.Tensor:
+            return await service.adecode(blobs[3])  # retries without blocking the loop
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(asyncio.run, waits_for_room())
+            submitter.join(0.1)
+            assert submitter.is_alive() and not waiting.done()  # both wait for room
+            gated.gate.set()
+            submitter.join(5)
+            assert_image(waiting.result(timeout=5), refs[3])
+        for future, index in zip([*queued, *blocked], [0, 1, 2], strict=True):
+            assert_image(future.result(timeout=5), refs[index])
+        plug.result(timeout=5)
+
+
+def test_blocked_submit_ends_on_close(gated: GatedDecoder, blobs: list[bytes]) -> None:
+    service, _ = plugged(gated, max_batch=1, max_queue=1)
+    service.submit(blobs[0])
+    errors: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            service.submit(blobs[1])
+        except BaseException as exc:
+            errors.append(exc)
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    submitter.join(0.05)
+    threading.Timer(0.05, gated.gate.set).start()
+    service.close(cancel_pending=True)
+    submitter.join(2)
+    assert not submitter.is_alive() and isinstance(errors[0], LoaderClosedError)
+
+
+def test_bad_image_fails_only_its_own_future(
+    gated: GatedDecoder, blobs: list[bytes], refs: list[np.ndarray], caplog: pytest.LogCaptureFixture
+) -> None:
+    truncated = blobs[3][: len(blobs[3]) // 2]
+    inputs = [blobs[0], b"not an image", blobs[1], truncated, blobs[2]]
+    service, plug = plugged(gated, max_batch=8)
+    with service:
+        futures = [service.submit(data) for data in inputs]
+        gated.gate.set()
+        concurrent.futures.wait([plug, *futures], timeout=10)
+        stats = service.stats()
+    assert gated.sizes == [1, 5]  # one micro-batch held the good and the bad
+    for future, index in zip([futures[0], futures[2], futures[4]], [0, 1, 2], strict=True):
+        assert_image(future.result(), refs[index])
+    for future, reason in ((futures[1], "cannot identify image"), (futures[3], "truncated")):
+        error = future.exception()
+        assert isinstance(error, SampleError) and error.stage == "decode" and reason in error.reason.lower()
+    assert futures[1].exception().index == 2  # type: ignore[union-attr]  # its submission number
+    assert (stats.completed, stats.failed) == (4, 2)
+
+
+def test_pixel_limit_fails_the_request(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    big = encode(photo(40, 50), quality=90)
+    with BatchDecoder(device="cpu", max_pixels=30 * 40) as service:
+        with pytest.raises(SampleError, match="over the limit of 1,200"):
+            service.decode(big)
+        assert_image(service.decode(blobs[0]), refs[0])
+
+
+def test_a_failing_batch_fails_its_requests_and_the_service_goes_on(
+    monkeypatch: pytest.MonkeyPatch, blobs: list[bytes], refs: list[np.ndarray]
+) -> None:
+    class Flaky(PillowDecoder):
+        calls = 0
+
+        def decode(self, encoded, *, stream, stats):  # type: ignore[no-untyped-def]
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise MemoryError("out of memory")
+            return super().decode(encoded, stream=stream, stats=stats)
+
+    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: Flaky())
+    with BatchDecoder(device="cpu", num_threads=1) as service:
+        with pytest.raises(MemoryError):
+            service.decode(blobs[0])
+        assert_image(service.decode(blobs[1]), refs[1])
+        assert (service.stats().failed, service.stats().completed) == (1, 1)
+
+
+def test_close_finishes_pending(gated: GatedDecoder, blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    service, plug = plugged(gated, max_batch=2)
+    futures = [service.submit(blobs[i]) for i in range(6)]
+    threading.Timer(0.1, gated.gate.set).start()
+    service.close()
+    assert plug.done() and all(future.done() for future in futures)
+    for future, ref in zip(futures, refs[:6], strict=True):
+        assert_image(future.result(), ref)
+    assert not any(thread.is_alive() for thread in service.threads) and reader_threads() == []
+    with pytest.raises(LoaderClosedError):
+        service.submit(blobs[0])
+    service.close()  # idempotent
+
+
+def test_close_cancels_pending(gated: GatedDecoder, blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    service, plug = plugged(gated, max_batch=2)
+    futures = [service.submit(blobs[i]) for i in range(6)]
+    threading.Timer(0.1, gated.gate.set).start()
+    started = time.perf_counter()
+    service.close(cancel_pending=True)
+    assert time.perf_counter() - started < 1.5
+    assert plug.result() is not None  # the batch being decoded still completes
+    assert all(future.cancelled() for future in futures)
+    assert service.stats().cancelled == 6
+    assert not any(thread.is_alive() for thread in service.threads) and reader_threads() == []
+    with pytest.raises(LoaderClosedError):
+        asyncio.run(service.adecode(blobs[0]))
+
+
+def test_cancelled_future_is_dropped(gated: GatedDecoder, blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    service, _ = plugged(gated, max_batch=8)
+    with service:
+        dropped, kept = service.submit(blobs[0]), service.submit(blobs[1])
+        assert dropped.cancel()
+        gated.gate.set()
+        assert_image(kept.result(timeout=5), refs[1])
+    assert gated.sizes == [1, 1]
+    stats = service.stats()
+    assert (stats.submitted, stats.completed, stats.cancelled) == (3, 2, 1)
+
+
+def test_dropping_the_service_stops_its_threads(blobs: list[bytes]) -> None:
+    service = BatchDecoder(device="cpu", num_threads=3)
+    future = service.submit(blobs[0])
+    assert len(reader_threads()) == 3
+    future.result(timeout=5)
+    del service
+    gc.collect()
+    deadline = time.monotonic() + 2
+    while reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader_threads() == []
+
+
+def test_stats_latency_and_invariants(blobs: list[bytes]) -> None:
+    with BatchDecoder(device="cpu", num_threads=2) as service:
+        assert service.stats().latency_ms_p50 is None
+        service.decode_many(blobs)
+        stats = service.stats()
+    assert stats.latency_ms_p50 is not None and stats.latency_ms_p90 is not None
+    assert stats.latency_ms_p99 is not None
+    assert 0 < stats.latency_ms_p50 <= stats.latency_ms_p90 <= stats.latency_ms_p99
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled == N
+    assert stats.stage_seconds["decode"] > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_delay_ms": -1}, "max_delay_ms"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"when_full": "drop"}, "when_full"),
+        ({"num_threads": 0}, "num_threads"),
+        ({"mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2, 0.2)}, "float dtype"),
+    ],
+)
+def test_bad_options(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchDecoder(device="cpu", **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_gpu_concurrent_submit_on_callers_streams(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    """Each caller reads its results on its own busy stream without syncing first: the service made that
+    stream wait for the decode and kept the memory from being reused while its kernels were queued."""
+    start = threading.Barrier(16)
+    with BatchDecoder(device="cuda", max_batch=16, max_delay_ms=2, num_threads=2) as service:
+
+        def caller(offset: int) -> list[tuple[int, torch.Tensor]]:
+            stream = torch.cuda.Stream()
+            copies = []
+            with torch.cuda.stream(stream):
+                slow = torch.randn(1024, 1024, device="cuda")
+                start.wait()
+                picks = [(offset * 5 + k) % N for k in range(24)]
+                futures = [(i, service.submit(blobs[i])) for i in picks]
+                for i, future in futures:
+                    image = future.result(timeout=30)
+                    slow = slow @ slow  # queued before the copy, so a reused block would be overwritten
+                    slow = slow / slow.norm()
+                    copies.append((i, image.clone()))
+                    del image
+            stream.synchronize()
+            return copies
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = [pair for pairs in pool.map(caller, range(16)) for pair in pairs]
+        assert max(service.stats().batch_sizes) > 1
+    for index, image in results:
+        assert image.is_cuda and image.shape == (3, *refs[index].shape[:2])
+        assert mean_abs_diff(image, refs[index]) <= 1.0
+
+
+def _start_server(*options: str) -> tuple[subprocess.Popen[str], int]:
+    command = [sys.executable, str(EXAMPLES / "server.py"), "--port", "0", *options]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    line = server.stdout.readline()  # type: ignore[union-attr]
+    assert line.startswith("listening on http://127.0.0.1:"), line
+    return server, int(line.rsplit(":", 1)[1])
+
+
+def _post(port: int, body: bytes) -> tuple[int, dict[str, object]]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", "/predict", body)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_example_server_and_load_test(tmp_path: Path) -> None:
+    server, port = _start_server("--device", "cpu", "--mode", "batched")
+    try:
+        status, answer = _post(port, encode(photo(60, 80), quality=90))
+        assert status == 200 and answer["shape"] == [3, 224, 224]
+        assert "top5" in answer or isinstance(answer["checksum"], float)
+        status, answer = _post(port, b"not an image")
+        assert status == 400 and "decode failed" in str(answer["error"])
+        out = tmp_path / "load.json"
+        load = [sys.executable, str(EXAMPLES / "loadtest.py"), "--port", str(port), "--seconds", "1"]
+        load += ["--concurrency", "2", "--warmup", "0", "--images", "8", "--out", str(out)]
+        done = subprocess.run(load, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "| mode | clients | req/s |" in done.stdout
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["requests"] > 0 and row["errors"] == 0 and row["p99_ms"] >= row["p50_ms"] > 0
+    finally:
+        server.terminate()
+        assert server.wait(10) == 0
+        server.stdout.close()  # type: ignore[union-attr]
