@@ -118,6 +118,7 @@ def started_server(mode: str, args: argparse.Namespace) -> Iterator[int]:
     """Starts examples/server.py on a free loopback port; yields the port; stops it afterwards."""
     command = [sys.executable, str(SERVER), "--host", HOST, "--port", "0", "--mode", mode]
     command += ["--max-batch", str(args.max_batch), "--max-delay-ms", str(args.max_delay_ms)]
+    command += ["--model", args.model]
     if args.device:
         command += ["--device", args.device]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -191,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--side", type=int, default=256, help="side of the JPEGs sent")
     parser.add_argument("--max-batch", type=int, default=64, help="for the servers started")
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="for the servers started")
+    parser.add_argument(
+        "--model",
+        choices=["resnet50", "none"],
+        default="resnet50",
+        help="for the servers started (none: decode only)",
+    )
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)
 

@@ -48,7 +48,9 @@ MODES = ("batched", "single", "pillow")
 class Classifier:
     """Bytes in, JSON-ready answer out; safe to call from every request thread at once."""
 
-    def __init__(self, *, mode: str, device: str | None, max_batch: int, max_delay_ms: float) -> None:
+    def __init__(
+        self, *, mode: str, device: str | None, max_batch: int, max_delay_ms: float, model: str = "resnet50"
+    ) -> None:
         self.decoder: BatchDecoder | None = None
         if mode == "pillow":
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -75,7 +77,8 @@ class Classifier:
             )
             self.device = self.decoder.device
             self._decode = self.decoder.decode
-        self.model, self.categories = _resnet50(self.device)
+        # model="none" serves decoding alone: what the load test compares across modes.
+        self.model, self.categories = _resnet50(self.device) if model == "resnet50" else (None, [])
 
     def predict(self, body: bytes) -> dict[str, Any]:
         """Decodes and classifies one image on a stream of its own."""
@@ -171,15 +174,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: GPU if usable)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--max-delay-ms", type=float, default=2.0)
+    parser.add_argument(
+        "--model",
+        choices=["resnet50", "none"],
+        default="resnet50",
+        help="none: decode only, answer a checksum",
+    )
     args = parser.parse_args(argv)
 
     classifier = Classifier(
-        mode=args.mode, device=args.device, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms
+        mode=args.mode,
+        device=args.device,
+        max_batch=args.max_batch,
+        max_delay_ms=args.max_delay_ms,
+        model=args.model,
     )
     server = Server((args.host, args.port), classifier)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     host, port = server.server_address[:2]
-    model = "resnet50 (random weights)" if classifier.model is not None else "no torchvision: shape+checksum"
+    model = "resnet50 (random weights)" if classifier.model is not None else "none: shape+checksum"
     print(f"listening on http://{host}:{port}", flush=True)
     print(f"mode={args.mode} device={classifier.device} model={model}", file=sys.stderr, flush=True)
     try:
