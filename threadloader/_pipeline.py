@@ -120,7 +120,10 @@ class BatchProducer:
                 last = first
                 while last < len(owner) and owner[last] == number:
                     last += 1
-                errors = sorted(failures.get(number, []), key=lambda e: list(batches[number]).index(e.index))
+                errors = failures.get(number, [])
+                if len(errors) > 1:  # fetch errors were found before decode errors: put them in batch order
+                    order = {index: position for position, index in enumerate(batches[number])}
+                    errors.sort(key=lambda error: order[error.index])
                 self._stats.count("errors", len(errors))
                 if errors and self._on_error == "raise":
                     outcomes.append(errors[0])
