@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +97,33 @@ MUTATIONS = {
     "edits": st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=12),
     "cut": st.integers(0, 10_000),
 }
+
+
+def exit_with_a_loader_open(tmp_path: Path, device: str) -> subprocess.CompletedProcess[str]:
+    """Runs a script that starts an epoch, takes one batch and exits without closing anything."""
+    script = tmp_path / "leave_open.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from threadloader import ThreadLoader
+            from tests.conftest import encode, photo
+
+            data = [encode(photo(64, 80, i % 7), quality=90) for i in range(400)]
+            loader = ThreadLoader(data, batch_size=8, size=(64, 80), device={device!r}, num_threads=4)
+            iterator = iter(loader)
+            next(iterator)
+            print("started", flush=True)
+            """
+        )
+    )
+    root = Path(__file__).parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=root, env=env
+    )
 
 
 def _save(image: Image.Image, fmt: str, **options: object) -> bytes:

@@ -17,6 +17,7 @@ from .robustness_cases import (
     BAD_INPUTS,
     MUTATIONS,
     corrupted_entropy_jpeg,
+    exit_with_a_loader_open,
     expected_rgb,
     mutate,
     other_formats,
@@ -107,32 +108,7 @@ def test_fuzz_mutated_jpegs_through_nvimagecodec(edits: list[tuple[int, int]], c
 
 def test_interpreter_exit_with_a_gpu_loader_open(tmp_path: Path) -> None:
     """A script that leaves a GPU loader mid-epoch exits promptly, cleanly and without native messages."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = tmp_path / "leave_open.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            from threadloader import ThreadLoader
-            from tests.conftest import encode, photo
-
-            data = [encode(photo(128, 160, i % 7), quality=90) for i in range(512)]
-            loader = ThreadLoader(data, batch_size=16, size=(128, 160), device="cuda", num_threads=4)
-            iterator = iter(loader)
-            next(iterator)
-            print("started", flush=True)
-            """
-        )
-    )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).parents[1],
-    )
+    result = exit_with_a_loader_open(tmp_path, "cuda")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "started"
     # nvImageCodec may print notices when imported (optional libraries); nothing may go wrong at exit.

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import subprocess
-import sys
-import textwrap
 import threading
 import tracemalloc
 from pathlib import Path
@@ -24,6 +21,7 @@ from .robustness_cases import (
     BAD_INPUTS,
     MUTATIONS,
     corrupted_entropy_jpeg,
+    exit_with_a_loader_open,
     expected_rgb,
     mutate,
     other_formats,
@@ -118,31 +116,7 @@ def test_dataset_exception_is_a_sample_error() -> None:
 
 def test_interpreter_exit_with_a_loader_open(tmp_path: Path) -> None:
     """A script that leaves a loader mid-epoch exits promptly, cleanly and silently."""
-    script = tmp_path / "leave_open.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import io, sys
-            import numpy as np
-            from PIL import Image
-            from threadloader import ThreadLoader
-
-            out = io.BytesIO()
-            Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(out, "JPEG")
-            loader = ThreadLoader([out.getvalue()] * 400, batch_size=4, num_threads=4, device="cpu")
-            iterator = iter(loader)
-            next(iterator)
-            print("started", flush=True)
-            """
-        )
-    )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=Path(__file__).parents[1],
-    )
+    result = exit_with_a_loader_open(tmp_path, "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "started"
     assert result.stderr == ""
