@@ -61,7 +61,7 @@ class Classifier:
                     pixels = decode_rgb(body)
                 except Exception as exc:  # answered 400, as BatchDecoder's SampleError is
                     raise SampleError.from_exception(exc, index=0, origin="body", stage="decode") from exc
-                return output.apply([torch.from_numpy(pixels)])[0].to(self.device)
+                return output.apply([torch.from_numpy(pixels).permute(2, 0, 1)])[0].to(self.device)
 
             self._decode: Callable[[bytes], torch.Tensor] = decode_here
         else:

@@ -116,7 +116,7 @@ def test_output_format_as_the_loader(blobs: list[bytes], refs: list[np.ndarray])
     options = {"size": (20, 30), "dtype": torch.float32, "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.3, 0.4)}
     with BatchDecoder(device="cpu", channels_last=True, **options) as service:  # type: ignore[arg-type]
         images = service.decode_many(blobs[:6])
-    expected = OutputFormat(**options).apply([torch.from_numpy(ref) for ref in refs[:6]])  # type: ignore[arg-type]
+    expected = OutputFormat(**options).apply([torch.from_numpy(ref).permute(2, 0, 1) for ref in refs[:6]])  # type: ignore[arg-type]
     for image, want in zip(images, expected, strict=True):
         assert image.shape == (3, 20, 30) and image.dtype == torch.float32
         torch.testing.assert_close(image, want)

@@ -21,7 +21,7 @@ from ._sources import SampleRef, Source, fetch, read_bytes
 from ._stats import StatsRecorder
 from .decode.base import DecodedBatch, Encoded, ImageDecoder
 from .errors import SampleError
-from .transforms import OutputFormat
+from .transforms import OutputFormat, Transform, sample_generator
 
 __all__ = ["Batch", "BatchProducer", "OnError", "Outcome", "collate_targets"]
 
@@ -54,6 +54,9 @@ class BatchProducer:
             the sample, leaves it out and passes its error to ``on_skip``.
         stats: Where counters and stage times go.
         on_skip: Called with each skipped sample's error, in the reader thread; default: log a warning.
+        transform: Applied to each decoded ``(3, H, W)`` image before ``output``; random parameters come
+            from a generator seeded by (``seed``, epoch, sample index).
+        seed: See ``transform``.
     """
 
     def __init__(
@@ -65,15 +68,21 @@ class BatchProducer:
         on_error: OnError,
         stats: StatsRecorder,
         on_skip: Callable[[SampleError], None] | None = None,
+        transform: Transform | None = None,
+        seed: int = 0,
     ) -> None:
         self._source = source
+        self._transform = transform
+        self._seed = seed
         self._decoder = decoder
         self._output = output
         self._on_error = on_error
         self._stats = stats
         self._on_skip = on_skip or _log_skip
 
-    def produce(self, batches: Sequence[Sequence[int]], reader: ReaderStream) -> list[Outcome]:
+    def produce(
+        self, batches: Sequence[Sequence[int]], reader: ReaderStream, *, epoch: int = 0
+    ) -> list[Outcome]:
         """Makes consecutive batches with one decoder call, on ``reader``'s stream.
 
         Decoding several output batches at once keeps the GPU decoder on large batches (it is faster
@@ -131,12 +140,18 @@ class BatchProducer:
                 for error in errors:
                     self._stats.count("skipped")
                     self._on_skip(error)
-                outcomes.append(self._finish(refs, decoded, first, last, reader) if decoded else None)
+                outcomes.append(self._finish(refs, decoded, first, last, reader, epoch) if decoded else None)
                 first = last
         return outcomes
 
     def _finish(
-        self, refs: list[SampleRef], decoded: DecodedBatch, first: int, last: int, reader: ReaderStream
+        self,
+        refs: list[SampleRef],
+        decoded: DecodedBatch,
+        first: int,
+        last: int,
+        reader: ReaderStream,
+        epoch: int,
     ) -> Batch | None:
         """Formats positions ``first:last`` of a decoded group as one batch and seals it."""
         kept = [p for p in range(first, last) if decoded.images[p] is not None]
@@ -144,14 +159,33 @@ class BatchProducer:
             return None
         with self._stats.timed("transform"):
             whole = len(kept) == last - first and decoded.stacked is not None
-            stacked = decoded.stacked[first:last] if whole else None  # type: ignore[index]
-            images = self._output.apply([decoded.images[p] for p in kept], stacked)  # type: ignore[misc]
+            stacked = decoded.stacked[first:last].permute(0, 3, 1, 2) if whole else None  # type: ignore[index]
+            chw = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
+            if self._transform is not None:
+                chw, stacked = self._transformed(chw, stacked, [refs[p].index for p in kept], epoch)
+            images = self._output.apply(chw, stacked)
         return Batch(
             images=images,
             targets=collate_targets([refs[p].target for p in kept]),
             indices=[refs[p].index for p in kept],
             ready=reader.seal(images if isinstance(images, list) else [images]),
         )
+
+    def _transformed(
+        self, images: list[torch.Tensor], stacked: torch.Tensor | None, indices: list[int], epoch: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Applies the transform: once to a same-size batch when it is not random, else per image."""
+        transform = self._transform
+        assert transform is not None
+        if stacked is not None and not transform.random:
+            stacked = transform(stacked)
+            return list(stacked.unbind(0)), stacked
+        return [
+            transform(
+                image, generator=sample_generator(self._seed, epoch, index) if transform.random else None
+            )
+            for image, index in zip(images, indices, strict=True)
+        ], None
 
 
 def _log_skip(error: SampleError) -> None:

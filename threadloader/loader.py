@@ -25,7 +25,7 @@ from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
 from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import LoaderClosedError, SampleError
-from .transforms import OutputFormat
+from .transforms import OutputFormat, Transform, as_transform
 
 __all__ = ["ThreadLoader"]
 
@@ -73,6 +73,11 @@ class ThreadLoader:
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches). Default 128 on a
             GPU, ``batch_size`` on the CPU (each Pillow thread decodes one batch).
+        transform: A transform or a list of them (``threadloader.transforms``: Resize, CenterCrop,
+            RandomResizedCrop, RandomHorizontalFlip, Normalize, ToDtype), applied to each image after
+            decoding, on the reader's stream. Random parameters are a function of (seed, epoch, sample
+            index): the same on every run and thread count. With a fixed output size (a crop, a
+            resize to (H, W)) and ``size=None``, batches are stacked at that size.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
             error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
 
@@ -106,6 +111,7 @@ class ThreadLoader:
         decode_threads: int | None = None,
         decode_batch_size: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        transform: Transform | Sequence[Transform] | None = None,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -116,18 +122,21 @@ class ThreadLoader:
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self._source = as_source(source)
+        seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self._transform = as_transform(transform)
         self._plan = BatchPlan(
             num_samples=len(self._source),
             # The default batch_size means "unset" next to a batch_sampler, which decides batch sizes.
             batch_size=None if batch_sampler is not None and batch_size == 32 else batch_size,
             shuffle=shuffle,
-            seed=seed if seed is not None else int(torch.randint(0, 2**62, ()).item()),
+            seed=seed,
             sampler=sampler,
             batch_sampler=batch_sampler,
             drop_last=drop_last,
         )
         self._output = OutputFormat(
-            size=size,
+            # A transform with a fixed output size (a crop, a resize to (H, W)) gives stacked batches.
+            size=size if size is not None or self._transform is None else self._transform.output_size(None),
             dtype=dtype,
             mean=mean,
             std=std,
@@ -144,7 +153,13 @@ class ThreadLoader:
         self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
         self._stats = StatsRecorder()
         self._producer = BatchProducer(
-            source=self._source, decoder=decoder, output=self._output, on_error=on_error, stats=self._stats
+            source=self._source,
+            decoder=decoder,
+            output=self._output,
+            on_error=on_error,
+            stats=self._stats,
+            transform=self._transform,
+            seed=seed,
         )
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._next_epoch = 0
@@ -171,7 +186,7 @@ class ThreadLoader:
             tasks=group_batches(self._plan.batches(epoch), self.decode_batch_size),
             # Threads see only the producer and the streams, never the loader: dropping the loader
             # and its iterators closes the pool.
-            work=functools.partial(_produce_on, self._producer, self._readers),
+            work=functools.partial(_produce_on, self._producer, self._readers, epoch),
             num_threads=self.num_threads,
             window=self.num_threads * self.prefetch,
             name=f"threadloader-e{epoch}",
@@ -213,9 +228,9 @@ class ThreadLoader:
 
 
 def _produce_on(
-    producer: BatchProducer, readers: list[ReaderStream], batches: list[list[int]], thread: int
+    producer: BatchProducer, readers: list[ReaderStream], epoch: int, batches: list[list[int]], thread: int
 ) -> list[Outcome]:
-    return producer.produce(batches, readers[thread])
+    return producer.produce(batches, readers[thread], epoch=epoch)
 
 
 class _EpochIterator:

@@ -1,0 +1,215 @@
+"""Transforms: torchvision.transforms.v2 parity (where torchvision is installed), exact checks without
+it, and reproducible random crops in the loader whatever the thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from threadloader import ThreadLoader
+from threadloader.transforms import (
+    CenterCrop,
+    Compose,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    ToDtype,
+    as_transform,
+    resize,
+    sample_generator,
+)
+
+from .conftest import encode, photo, pil_reference
+
+IMAGE = torch.from_numpy(photo(75, 101, 3)).permute(2, 0, 1).contiguous()  # (3, 75, 101) uint8
+
+
+def mean_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().mean())
+
+
+# -- without torchvision: exact expectations ------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [(40, 60), (75, 101), (80, 110), (10, 200)])
+def test_center_crop_matches_slicing_and_pads_with_zeros(size: tuple[int, int]) -> None:
+    out = CenterCrop(size)(IMAGE)
+    assert tuple(out.shape) == (3, *size)
+    padded = np.zeros((3, max(75, size[0]), max(101, size[1])), dtype=np.uint8)
+    top_pad, left_pad = max(size[0] - 75, 0) // 2, max(size[1] - 101, 0) // 2
+    padded[:, top_pad : top_pad + 75, left_pad : left_pad + 101] = IMAGE.numpy()
+    top = round((padded.shape[1] - size[0]) / 2.0)
+    left = round((padded.shape[2] - size[1]) / 2.0)
+    np.testing.assert_array_equal(out.numpy(), padded[:, top : top + size[0], left : left + size[1]])
+
+
+def test_flip_is_exact_and_follows_the_generator() -> None:
+    flipped = RandomHorizontalFlip(p=1.0)(IMAGE)
+    np.testing.assert_array_equal(flipped.numpy(), IMAGE.numpy()[:, :, ::-1])
+    assert torch.equal(RandomHorizontalFlip(p=0.0)(IMAGE), IMAGE)
+    draws = [RandomHorizontalFlip().sample((1, 1), torch.Generator().manual_seed(s)) for s in range(200)]
+    assert 60 < sum(draws) < 140
+
+
+@pytest.mark.parametrize(
+    ("size", "max_size", "expected"),
+    [(50, None, (50, 67)), ((30, 40), None, (30, 40)), (60, 70, (52, 70)), (100, None, (100, 134))],
+)
+def test_resize_output_size_rule(size, max_size, expected) -> None:  # type: ignore[no-untyped-def]
+    transform = Resize(size, max_size=max_size)
+    assert transform.output_size((75, 101)) == expected
+    assert tuple(transform(IMAGE).shape[-2:]) == expected
+
+
+def test_random_resized_crop_region_rule_and_reproducibility() -> None:
+    transform = RandomResizedCrop(32, scale=(0.2, 0.9), ratio=(0.5, 2.0))
+    for seed in range(100):
+        top, left, height, width = transform.sample((75, 101), torch.Generator().manual_seed(seed))
+        assert top >= 0 and top + height <= 75 and left >= 0 and left + width <= 101
+        out = transform.apply(IMAGE, (top, left, height, width))
+        assert torch.equal(out, resize(IMAGE[:, top : top + height, left : left + width], (32, 32)))
+    same = [transform(IMAGE, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(same[0], same[1])
+
+
+def test_random_resized_crop_falls_back_to_a_central_crop() -> None:
+    # No region of 90-100% of the area has an aspect ratio within (3, 4) in a square image.
+    transform = RandomResizedCrop(8, scale=(0.9, 1.0), ratio=(3.0, 4.0))
+    assert transform.sample((60, 60), torch.Generator().manual_seed(0)) == (20, 0, 20, 60)
+
+
+def test_normalize_and_to_dtype() -> None:
+    floats = ToDtype(torch.float32, scale=True)(IMAGE)
+    assert torch.equal(floats, IMAGE.float() / 255)
+    normalized = Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.5))(floats)
+    expected = (floats - torch.tensor([0.5, 0.4, 0.3]).view(3, 1, 1)) / torch.tensor([0.2, 0.25, 0.5]).view(
+        3, 1, 1
+    )
+    torch.testing.assert_close(normalized, expected, rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="float"):
+        Normalize((0.5,) * 3, (0.5,) * 3)(IMAGE)
+
+
+def test_batches_get_one_set_of_parameters() -> None:
+    batch = torch.stack([IMAGE, IMAGE.flip(-1)])
+    out = RandomResizedCrop(16)(batch, generator=torch.Generator().manual_seed(3))
+    single = RandomResizedCrop(16)(IMAGE, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(out[0], single)
+
+
+def test_compose_and_as_transform() -> None:
+    chain = as_transform([RandomResizedCrop(20), RandomHorizontalFlip(), ToDtype(torch.float32, scale=True)])
+    assert isinstance(chain, Compose) and chain.random and chain.output_size(None) == (20, 20)
+    assert Compose([Resize(30)]).output_size(None) is None
+    assert not Compose([CenterCrop(10), Normalize((0,) * 3, (1,) * 3)]).random
+    with pytest.raises(TypeError, match="not a threadloader transform"):
+        as_transform([lambda image: image])  # type: ignore[list-item]
+
+
+# -- in the loader --------------------------------------------------------------------------------
+
+SAMPLES = [(encode(photo(60 + 7 * (i % 3), 80, seed=400 + i), quality=90), i) for i in range(20)]
+REFERENCES = [torch.from_numpy(pil_reference(data)).permute(2, 0, 1) for data, _ in SAMPLES]
+
+
+def _epoch(num_threads: int, epoch: int) -> list[tuple[torch.Tensor, list[int]]]:
+    transform = [RandomResizedCrop(24), RandomHorizontalFlip()]
+    loader = ThreadLoader(
+        SAMPLES, batch_size=6, shuffle=True, seed=11, num_threads=num_threads, transform=transform
+    )
+    with loader:
+        loader.set_epoch(epoch)
+        return [(images, targets.tolist()) for images, targets in loader]
+
+
+def test_random_crops_are_the_same_for_any_thread_count_and_run() -> None:
+    one, four, again = _epoch(1, 0), _epoch(4, 0), _epoch(4, 0)
+    for (a, ta), (b, tb), (c, tc) in zip(one, four, again, strict=True):
+        assert ta == tb == tc
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert a.shape[1:] == (3, 24, 24)  # a fixed-size transform gives stacked batches
+
+
+def test_random_crops_are_exactly_the_transform_of_the_decoded_image() -> None:
+    transform = Compose([RandomResizedCrop(24), RandomHorizontalFlip()])
+    for images, targets in _epoch(2, 3):
+        for image, index in zip(images, targets, strict=True):
+            expected = transform(REFERENCES[index], generator=sample_generator(11, 3, index))
+            assert torch.equal(image, expected)
+
+
+def test_random_crops_differ_between_epochs() -> None:
+    first, second = _epoch(2, 0), _epoch(2, 1)
+    by_index = {t: img for images, targets in first for img, t in zip(images, targets, strict=True)}
+    changed = sum(
+        not torch.equal(by_index[t], img)
+        for images, targets in second
+        for img, t in zip(images, targets, strict=True)
+    )
+    assert changed > 15
+
+
+def test_deterministic_transform_on_a_same_size_batch_equals_per_image() -> None:
+    same_size = [(encode(photo(60, 80, seed=500 + i), quality=90), i) for i in range(8)]
+    options = dict(batch_size=4, transform=[CenterCrop((40, 50)), ToDtype(torch.float32, scale=True)])
+    with ThreadLoader(same_size, dtype=torch.float32, **options) as loader:  # type: ignore[arg-type]
+        batches = [images for images, _ in loader]
+    for batch, start in zip(batches, (0, 4), strict=True):
+        for row, (data, _) in zip(batch, same_size[start : start + 4], strict=True):
+            reference = torch.from_numpy(pil_reference(data)).permute(2, 0, 1)
+            assert torch.equal(row, CenterCrop((40, 50))(reference).float() / 255)
+
+
+# -- parity with torchvision.transforms.v2 (skipped where torchvision is not installed) ----------
+
+
+@pytest.fixture(scope="module")
+def v2():  # type: ignore[no-untyped-def]
+    return pytest.importorskip("torchvision.transforms.v2")
+
+
+@pytest.mark.parametrize("size", [50, (33, 47), (120, 160)])
+def test_resize_parity(v2, size) -> None:  # type: ignore[no-untyped-def]
+    ours = Resize(size)(IMAGE)
+    theirs = v2.Resize(size, antialias=True)(IMAGE)
+    assert ours.shape == theirs.shape
+    assert mean_abs_diff(ours, theirs) <= 1.0
+    floats = IMAGE.float() / 255
+    torch.testing.assert_close(
+        Resize(size)(floats), v2.Resize(size, antialias=True)(floats), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("size", [(40, 60), (75, 101), (80, 110), 33])
+def test_center_crop_parity(v2, size) -> None:  # type: ignore[no-untyped-def]
+    assert torch.equal(CenterCrop(size)(IMAGE), v2.CenterCrop(size)(IMAGE))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_resized_crop_parity(v2, seed: int) -> None:  # type: ignore[no-untyped-def]
+    options = {"scale": (0.08, 1.0), "ratio": (3 / 4, 4 / 3)}
+    torch.manual_seed(seed)
+    theirs = v2.RandomResizedCrop(32, antialias=True, **options)(IMAGE)
+    ours = RandomResizedCrop(32, **options)(IMAGE, generator=torch.Generator().manual_seed(seed))
+    assert mean_abs_diff(ours, theirs) <= 1.0
+    torch.manual_seed(seed)
+    region = v2.RandomResizedCrop(32, **options).make_params([IMAGE])
+    expected = (region["top"], region["left"], region["height"], region["width"])
+    assert RandomResizedCrop(32, **options).sample((75, 101), torch.Generator().manual_seed(seed)) == expected
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_flip_parity(v2, seed: int) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    theirs = v2.RandomHorizontalFlip()(IMAGE)
+    assert torch.equal(RandomHorizontalFlip()(IMAGE, generator=torch.Generator().manual_seed(seed)), theirs)
+
+
+def test_normalize_and_dtype_parity(v2) -> None:  # type: ignore[no-untyped-def]
+    theirs = v2.Compose(
+        [v2.ToDtype(torch.float32, scale=True), v2.Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.5))]
+    )
+    ours = Compose([ToDtype(torch.float32, scale=True), Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.5))])
+    torch.testing.assert_close(ours(IMAGE), theirs(IMAGE), atol=1e-6, rtol=0)
