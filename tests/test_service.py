@@ -443,3 +443,20 @@ def test_example_server_and_load_test(tmp_path: Path) -> None:
         server.terminate()
         assert server.wait(10) == 0
         server.stdout.close()  # type: ignore[union-attr]
+
+
+def test_deterministic_transforms_as_the_loader(blobs: list[bytes], refs: list[np.ndarray]) -> None:
+    from threadloader.transforms import CenterCrop, Compose, Resize
+
+    chain = [Resize(12), CenterCrop(10)]
+    with BatchDecoder(device="cpu", transform=chain) as service:
+        images = service.decode_many(blobs[:4])
+    for image, ref in zip(images, refs[:4], strict=True):
+        assert torch.equal(image, Compose(chain)(torch.from_numpy(ref).permute(2, 0, 1)))
+
+
+def test_random_transforms_are_refused() -> None:
+    from threadloader.transforms import RandomHorizontalFlip
+
+    with pytest.raises(ValueError, match="random"):
+        BatchDecoder(device="cpu", transform=[RandomHorizontalFlip()])

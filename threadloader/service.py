@@ -32,7 +32,7 @@ from ._pipeline import Batch, BatchProducer
 from ._stats import STAGES, StatsRecorder
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
-from .transforms import OutputFormat
+from .transforms import OutputFormat, Transform, as_transform
 
 __all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
 
@@ -255,6 +255,7 @@ class _Engine:
 
     decoder: ImageDecoder
     output: OutputFormat
+    transform: Transform | None
     pipeline_stats: StatsRecorder
     metrics: _Metrics
 
@@ -276,6 +277,7 @@ class _Engine:
             output=self.output,
             on_error="skip",  # a bad image fails its own request only
             stats=self.pipeline_stats,
+            transform=self.transform,
             on_skip=lambda error: rejected.__setitem__(error.index, error),
         )
         (outcome,) = producer.produce([range(len(requests))], reader)
@@ -351,6 +353,8 @@ class BatchDecoder:
         decode_threads: nvImageCodec's own CPU threads; default: the cores the workers leave free.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels fails its
             request, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
+        transform: Deterministic transforms applied to every image after decoding, as for
+            :class:`ThreadLoader` (e.g. ``[Resize(256), CenterCrop(224)]``); random ones are for training.
 
     Example:
         >>> with BatchDecoder(size=(224, 224), dtype=torch.float32) as decoder:  # doctest: +SKIP
@@ -374,6 +378,7 @@ class BatchDecoder:
         backend: str = "auto",
         decode_threads: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        transform: Transform | Sequence[Transform] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -383,8 +388,14 @@ class BatchDecoder:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         if when_full not in ("block", "raise"):
             raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
+        chain = as_transform(transform)
+        if chain is not None and chain.random:
+            raise ValueError(
+                f"{chain!r} is random: a service answers each image the same way every time; "
+                "use deterministic transforms (Resize, CenterCrop, Normalize, ToDtype)"
+            )
         output = OutputFormat(
-            size=size,
+            size=size if size is not None or chain is None else chain.output_size(None),
             dtype=dtype,
             mean=mean,
             std=std,
@@ -407,6 +418,7 @@ class BatchDecoder:
         engine = _Engine(
             decoder=decoder,
             output=output,
+            transform=chain,
             pipeline_stats=self._pipeline_stats,
             metrics=self._metrics,
         )
