@@ -79,11 +79,12 @@ def to_batch(images: Sequence[torch.Tensor], size: Size) -> torch.Tensor:
 
 
 class PilDataset(Dataset[tuple[torch.Tensor, int]]):
-    """Decodes with Pillow and resizes on the CPU: the usual torchvision-style pipeline."""
+    """Decodes with Pillow and resizes (or random-crops) on the CPU: the usual torchvision-style pipeline."""
 
-    def __init__(self, files: Files, *, size: Size) -> None:
+    def __init__(self, files: Files, *, size: Size, augment: bool = False) -> None:
         self.files = list(files)
         self.size = size
+        self.augment = _augmentation(size) if augment else None
 
     def __len__(self) -> int:
         return len(self.files)
@@ -92,18 +93,27 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
         path, label = self.files[index]
         with Image.open(path) as im:
             rgb = im.convert("RGB")
+        if self.augment is not None:  # the same transforms as threadloader's row, on the CPU
+            return self.augment(torch.from_numpy(np.array(rgb)).permute(2, 0, 1)), label
         wh = (self.size[1], self.size[0])
         if rgb.size != wh:
             rgb = rgb.resize(wh, Image.Resampling.BILINEAR)
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), label
 
 
+def _augmentation(size: Size) -> Any:
+    """Training augmentation for the ``--augment`` rows: RandomResizedCrop to ``size`` and a flip."""
+    from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+
+    return Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
+
+
 def pil_dataloader(
-    files: Files, *, size: Size, batch_size: int, workers: int, device: str
+    files: Files, *, size: Size, batch_size: int, workers: int, device: str, augment: bool = False
 ) -> Iterator[Batch]:
     """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking."""
     loader = DataLoader(
-        PilDataset(files, size=size),
+        PilDataset(files, size=size, augment=augment),
         batch_sampler=endless_batches(len(files), batch_size),
         num_workers=workers,
         multiprocessing_context="fork" if workers else None,
@@ -241,12 +251,18 @@ def _epochs(loader: Iterable[Batch]) -> Iterator[Batch]:
 
 
 def threadloader(
-    root: Path, *, size: Size, batch_size: int, num_threads: int | None, device: str
+    root: Path, *, size: Size, batch_size: int, num_threads: int | None, device: str, augment: bool = False
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default."""
     module = import_optional("threadloader")
     with module.ThreadLoader(
-        root, batch_size=batch_size, num_threads=num_threads, size=size, dtype=torch.float32, device=device
+        root,
+        batch_size=batch_size,
+        num_threads=num_threads,
+        size=size,
+        dtype=torch.float32,
+        device=device,
+        transform=_augmentation(size) if augment else None,
     ) as loader:
         for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
             yield images, targets.to(device, non_blocking=True)

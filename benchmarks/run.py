@@ -258,7 +258,7 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
             f"pil_dataloader w={w} b={b}",
             "pil_dataloader",
             b,
-            partial(loaders.pil_dataloader, files, batch_size=b, workers=w, **common),
+            partial(loaders.pil_dataloader, files, batch_size=b, workers=w, augment=args.augment, **common),
         ),
         Case(
             f"spawn_collate_nvimgcodec w={w} b={b}",
@@ -286,7 +286,9 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
             f"threadloader default threads b={b}",
             "threadloader",
             b,
-            partial(loaders.threadloader, root, batch_size=b, num_threads=None, **common),
+            partial(
+                loaders.threadloader, root, batch_size=b, num_threads=None, augment=args.augment, **common
+            ),
         ),
     ]
     if args.sweep:
@@ -295,7 +297,9 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
                 f"threadloader t={t} b={sb}",
                 "threadloader",
                 sb,
-                partial(loaders.threadloader, root, batch_size=sb, num_threads=t, **common),
+                partial(
+                    loaders.threadloader, root, batch_size=sb, num_threads=t, augment=args.augment, **common
+                ),
             )
             for t in args.threads
             for sb in args.batch_sizes
@@ -374,6 +378,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write report.md, report.json and report.png here")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (count 64, 5 batches)")
     p.add_argument("--training", action="store_true", help="feed a ResNet-50 training step")
+    p.add_argument(
+        "--augment",
+        action="store_true",
+        help="PIL and threadloader rows: RandomResizedCrop + flip (training augmentation) instead of resize",
+    )
     args = p.parse_args(argv)
     for name, (full, quick) in _DEFAULTS.items():
         if getattr(args, name) is None:
@@ -404,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
         hardware=hardware(args.device),  # after the rows, so the loaders' packages are imported
         config={
             "mode": "training" if args.training else "throughput",
+            "augment": args.augment,
             "set": args.set,
             "count": args.count,
             "output_size": "x".join(map(str, OUTPUT_SIZE[args.set])),
