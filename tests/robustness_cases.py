@@ -19,6 +19,10 @@ from .conftest import encode, photo
 #: Each maker writes what it needs under ``root`` and returns the path (or bytes) to load.
 
 
+#: Good JPEGs to put next to the bad ones in a batch.
+GOOD = [encode(photo(64, 80, seed), quality=90) for seed in range(3)]
+
+
 def _jpeg() -> bytes:
     return encode(photo(64, 80, 5), quality=90)
 

@@ -15,6 +15,7 @@ from threadloader._stats import StatsRecorder
 from .conftest import encode, mean_abs_diff, photo
 from .robustness_cases import (
     BAD_INPUTS,
+    GOOD,
     MUTATIONS,
     corrupted_entropy_jpeg,
     exit_with_a_loader_open,
@@ -25,7 +26,6 @@ from .robustness_cases import (
 
 pytestmark = pytest.mark.gpu
 
-GOOD = [encode(photo(64, 80, seed), quality=90) for seed in range(3)]
 TOLERANCE = 1.0  # mean abs diff in 0-255 units, as in test_gpu.py
 
 

@@ -19,6 +19,7 @@ from threadloader.decode.pillow import PillowDecoder
 from .conftest import encode, mean_abs_diff, photo, reader_threads
 from .robustness_cases import (
     BAD_INPUTS,
+    GOOD,
     MUTATIONS,
     corrupted_entropy_jpeg,
     exit_with_a_loader_open,
@@ -26,8 +27,6 @@ from .robustness_cases import (
     mutate,
     other_formats,
 )
-
-GOOD = [encode(photo(64, 80, seed), quality=90) for seed in range(3)]
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))

@@ -25,7 +25,7 @@ from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
 from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import LoaderClosedError, SampleError
-from .transforms import OutputFormat, Transform, as_transform
+from .transforms import OutputFormat, Transform, as_transform, stacking_size
 
 __all__ = ["ThreadLoader"]
 
@@ -135,8 +135,7 @@ class ThreadLoader:
             drop_last=drop_last,
         )
         self._output = OutputFormat(
-            # A transform with a fixed output size (a crop, a resize to (H, W)) gives stacked batches.
-            size=size if size is not None or self._transform is None else self._transform.output_size(None),
+            size=stacking_size(size, self._transform),
             dtype=dtype,
             mean=mean,
             std=std,

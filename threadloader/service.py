@@ -32,7 +32,7 @@ from ._pipeline import Batch, BatchProducer
 from ._stats import STAGES, StatsRecorder
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
-from .transforms import OutputFormat, Transform, as_transform
+from .transforms import OutputFormat, Transform, as_transform, stacking_size
 
 __all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
 
@@ -395,7 +395,7 @@ class BatchDecoder:
                 "use deterministic transforms (Resize, CenterCrop, Normalize, ToDtype)"
             )
         output = OutputFormat(
-            size=size if size is not None or chain is None else chain.output_size(None),
+            size=stacking_size(size, chain),
             dtype=dtype,
             mean=mean,
             std=std,

@@ -31,6 +31,7 @@ __all__ = [
     "normalize",
     "resize",
     "sample_generator",
+    "stacking_size",
     "to_dtype",
 ]
 
@@ -124,7 +125,7 @@ class OutputFormat:
         if not batch.is_floating_point():
             work = work.div_(255)  # a new tensor here; exact, unlike a multiply by 1/255
         if self.mean is not None and self.std is not None:
-            work = normalize(work, self.mean, self.std)
+            work = normalize(work, self.mean, self.std, inplace=True)  # work is this method's own tensor
         return work.to(self.dtype)
 
 
@@ -384,6 +385,16 @@ class ToDtype(Transform):
         return f"ToDtype({self.dtype}, scale={self.scale})"
 
 
+def stacking_size(size: tuple[int, int] | None, transform: Transform | None) -> tuple[int, int] | None:
+    """The output size of a front end: ``size`` if given, else a transform's fixed output size.
+
+    A crop or a resize to (H, W) thus gives stacked batches; ``None`` keeps a list of images.
+    """
+    if size is not None or transform is None:
+        return size
+    return transform.output_size(None)
+
+
 def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform | None:
     """A loader's ``transform=`` argument as one transform (a list becomes a :class:`Compose`)."""
     if transform is None or isinstance(transform, Transform):
@@ -435,16 +446,20 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     return images.mul(255 + 1 - 1e-3).to(dtype)  # torchvision's rule for float to uint8
 
 
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """``(images - mean) / std`` per channel, on float images."""
+def normalize(
+    images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, inplace: bool = False
+) -> torch.Tensor:
+    """``(images - mean) / std`` per channel, on float images; ``inplace`` for a tensor the caller owns."""
     if not images.is_floating_point():
         raise TypeError("normalize needs float images: convert with ToDtype(torch.float32, scale=True) first")
-    mean_t = _channel_constant(tuple(float(m) for m in mean), images.device).to(images.dtype)
-    std_t = _channel_constant(tuple(float(s) for s in std), images.device).to(images.dtype)
-    return (images - mean_t.view(-1, 1, 1)) / std_t.view(-1, 1, 1)
+    mean_t = _channel_constant(tuple(float(m) for m in mean), images.device, images.dtype)
+    std_t = _channel_constant(tuple(float(s) for s in std), images.device, images.dtype)
+    if inplace:
+        return images.sub_(mean_t).div_(std_t)
+    return (images - mean_t) / std_t
 
 
 @lru_cache(maxsize=64)
-def _channel_constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """A float32 vector on ``device``, made once: a copy to the GPU per batch would sync the host."""
-    return torch.tensor(values, dtype=torch.float64, device=device)
+def _channel_constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A ``(C, 1, 1)`` tensor on ``device``, made once: a copy to the GPU per batch would sync the host."""
+    return torch.tensor(values, dtype=dtype, device=device).view(-1, 1, 1)
