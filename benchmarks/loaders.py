@@ -3,12 +3,14 @@
 Every factory is a generator function: the first ``next()`` builds the loader (so the caller's
 startup timer covers workers, decoders and preloading alike), later ones yield batches forever
 (epochs are cycled), and ``close()`` on the generator releases the workers. All yield the same
-output: float32 NCHW images in [0, 1] at the set's output size, int64 targets, on the device.
+output: float32 NCHW images in [0, 1] at the set's output size (normalized with ImageNet's mean and
+std in the ``--augment`` rows), int64 targets, on the device.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,15 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+
+from threadloader.decode.nvimgcodec import REGION_DECODE_ENV
+from threadloader.transforms import (
+    Compose,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    normalize,
+    sample_generator,
+)
 
 if TYPE_CHECKING:
     from nvidia import nvimgcodec
@@ -84,7 +95,7 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
     def __init__(self, files: Files, *, size: Size, augment: bool = False) -> None:
         self.files = list(files)
         self.size = size
-        self.augment = _augmentation(size) if augment else None
+        self.augment = _pil_augmentation(size) if augment else None
 
     def __len__(self) -> int:
         return len(self.files)
@@ -93,19 +104,38 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
         path, label = self.files[index]
         with Image.open(path) as im:
             rgb = im.convert("RGB")
-        if self.augment is not None:  # the same transforms as threadloader's row, on the CPU
-            return self.augment(torch.from_numpy(np.array(rgb)).permute(2, 0, 1)), label
+        if self.augment is not None:
+            return self.augment(rgb), label
         wh = (self.size[1], self.size[0])
         if rgb.size != wh:
             rgb = rgb.resize(wh, Image.Resampling.BILINEAR)
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), label
 
 
+#: Normalization of the ``--augment`` rows (ImageNet's), as a ResNet-50 training pipeline does.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
 def _augmentation(size: Size) -> Any:
     """Training augmentation for the ``--augment`` rows: RandomResizedCrop to ``size`` and a flip."""
-    from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
-
     return Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
+
+
+def _pil_augmentation(size: Size) -> Any:
+    """The same augmentation as users run it on Pillow images.
+
+    torchvision's, whose resize on Pillow images is Pillow's (fast on the CPU); threadloader's own
+    transforms on CPU tensors where torchvision is missing.
+    """
+    try:
+        from torchvision.transforms import v2
+    except ImportError:
+        ours = _augmentation(size)
+        return lambda image: ours(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+    return v2.Compose(
+        [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()]
+    )
 
 
 def pil_dataloader(
@@ -120,10 +150,10 @@ def pil_dataloader(
         pin_memory=device == "cuda",
     )
     for images, targets in loader:
-        yield (
-            images.to(device, non_blocking=True).float().div_(255),
-            targets.to(device, non_blocking=True),
-        )
+        floats = images.to(device, non_blocking=True).float().div_(255)
+        if augment:  # the training pipeline normalizes too; here on the GPU, after the copy
+            floats = normalize(floats, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
+        yield floats, targets.to(device, non_blocking=True)
 
 
 # --- nvImageCodec in spawned DataLoader workers (the seed notebook's design) -------------------------
@@ -150,12 +180,12 @@ def _decode_params() -> nvimgcodec.DecodeParams:
     return nv.DecodeParams(color_spec=nv.SRGB, sample_format=nv.I_RGB)
 
 
-def nv_decode(decoder: nvimgcodec.Decoder, data: Sequence[bytes]) -> list[torch.Tensor]:
-    """Batch-decode on torch's current stream and wrap the results as CHW uint8 CUDA tensors."""
+def nv_decode(decoder: nvimgcodec.Decoder, data: Sequence[Any]) -> list[torch.Tensor]:
+    """Batch-decode bytes or CodeStreams on torch's current stream, as CHW uint8 CUDA tensors."""
     from nvidia import nvimgcodec as nv
 
     decoded = decoder.decode(
-        [nv.CodeStream(d) for d in data],
+        [nv.CodeStream(d) if isinstance(d, bytes) else d for d in data],
         params=_decode_params(),
         cuda_stream=torch.cuda.current_stream().cuda_stream,
     )
@@ -210,9 +240,13 @@ def _preload(files: Files, device: str) -> tuple[list[bytes], torch.Tensor]:
 
 
 def single_decoder_ceiling(
-    files: Files, *, size: Size, batch_size: int, backend: str, device: str
+    files: Files, *, size: Size, batch_size: int, backend: str, device: str, crop: str | None = None
 ) -> Iterator[Batch]:
-    """One thread, one Decoder, no file I/O: what a single serialized Decoder can deliver."""
+    """One thread, one Decoder, no file I/O: what a single serialized Decoder can deliver.
+
+    ``crop``: ``None`` decodes whole images; ``"region"`` decodes only a RandomResizedCrop region of
+    each (drawn from the header); ``"whole"`` decodes the whole image and crops the same region.
+    """
     _require_cuda(device)
     nv = import_optional("nvidia.nvimgcodec")
     kinds = {"hw": nv.BackendKind.HW_GPU_ONLY, "hybrid": nv.BackendKind.HYBRID_CPU_GPU}
@@ -221,8 +255,28 @@ def single_decoder_ceiling(
     except Exception as e:  # nvImageCodec reports a missing GPU or backend as various errors
         raise SkipRow(f"no nvImageCodec Decoder: {e}") from e
     data, targets = _preload(files, device)
+    crops = RandomResizedCrop(size)
     for idx in endless_batches(len(data), batch_size):
-        yield to_batch(nv_decode(decoder, [data[i] for i in idx]), size), targets[idx]
+        if crop is None:
+            images = nv_decode(decoder, [data[i] for i in idx])
+        else:
+            streams = [nv.CodeStream(data[i]) for i in idx]
+            regions = [
+                crops.sample((cs.height, cs.width), sample_generator(0, 0, i))
+                for cs, i in zip(streams, idx, strict=True)
+            ]
+            if crop == "region":
+                parts = [
+                    cs.get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
+                    for cs, (t, left, h, w) in zip(streams, regions, strict=True)
+                ]
+                images = nv_decode(decoder, parts)
+            else:
+                images = [
+                    image[:, t : t + h, left : left + w]
+                    for image, (t, left, h, w) in zip(nv_decode(decoder, streams), regions, strict=True)
+                ]
+        yield to_batch(images, size), targets[idx]
 
 
 def torchvision_gpu(files: Files, *, size: Size, batch_size: int, device: str) -> Iterator[Batch]:
@@ -251,18 +305,39 @@ def _epochs(loader: Iterable[Batch]) -> Iterator[Batch]:
 
 
 def threadloader(
-    root: Path, *, size: Size, batch_size: int, num_threads: int | None, device: str, augment: bool = False
+    root: Path,
+    *,
+    size: Size,
+    batch_size: int,
+    num_threads: int | None,
+    device: str,
+    augment: bool = False,
+    region_decode: bool = True,
 ) -> Iterator[Batch]:
-    """threadloader over the directory; ``num_threads=None`` keeps its default."""
+    """threadloader over the directory; ``num_threads=None`` keeps its default.
+
+    With ``augment``: RandomResizedCrop + flip + normalize, the crop decoded as its region unless
+    ``region_decode`` is off (then whole images are decoded and cropped: the comparison row).
+    """
     module = import_optional("threadloader")
-    with module.ThreadLoader(
-        root,
-        batch_size=batch_size,
-        num_threads=num_threads,
-        size=size,
-        dtype=torch.float32,
-        device=device,
-        transform=_augmentation(size) if augment else None,
-    ) as loader:
-        for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
-            yield images, targets.to(device, non_blocking=True)
+    previous = os.environ.get(REGION_DECODE_ENV)
+    os.environ[REGION_DECODE_ENV] = "1" if region_decode else "0"
+    try:
+        with module.ThreadLoader(
+            root,
+            batch_size=batch_size,
+            num_threads=num_threads,
+            size=size,
+            dtype=torch.float32,
+            mean=IMAGENET_MEAN if augment else None,
+            std=IMAGENET_STD if augment else None,
+            device=device,
+            transform=_augmentation(size) if augment else None,
+        ) as loader:
+            for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
+                yield images, targets.to(device, non_blocking=True)
+    finally:
+        if previous is None:
+            os.environ.pop(REGION_DECODE_ENV, None)
+        else:
+            os.environ[REGION_DECODE_ENV] = previous

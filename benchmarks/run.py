@@ -268,13 +268,17 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
         ),
         *(
             Case(
-                f"single_decoder_ceiling {backend} b={cb}",
+                f"single_decoder_ceiling {backend} b={cb}" + (f" {crop} + crop" if crop else ""),
                 "single_decoder_ceiling",
                 cb,
-                partial(loaders.single_decoder_ceiling, files, batch_size=cb, backend=backend, **common),
+                partial(
+                    loaders.single_decoder_ceiling, files, batch_size=cb, backend=backend, crop=crop, **common
+                ),
             )
             for backend in args.backends
             for cb in args.ceiling_batch_sizes
+            # --augment: decoding a random crop's region against decoding the whole image and cropping
+            for crop in (("whole", "region") if args.augment else (None,))
         ),
         Case(
             f"torchvision_gpu b={b}",
@@ -291,6 +295,23 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
             ),
         ),
     ]
+    if args.augment:  # the same pipeline decoding whole images and cropping them: what regions save
+        rows.append(
+            Case(
+                f"threadloader whole decode + crop b={b}",
+                "threadloader",
+                b,
+                partial(
+                    loaders.threadloader,
+                    root,
+                    batch_size=b,
+                    num_threads=None,
+                    augment=True,
+                    region_decode=False,
+                    **common,
+                ),
+            )
+        )
     if args.sweep:
         rows += [
             Case(
@@ -381,7 +402,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--augment",
         action="store_true",
-        help="PIL and threadloader rows: RandomResizedCrop + flip (training augmentation) instead of resize",
+        help="PIL and threadloader rows: RandomResizedCrop + flip + normalize (training augmentation) "
+        "instead of resize, and a threadloader row decoding whole images instead of crop regions",
     )
     args = p.parse_args(argv)
     for name, (full, quick) in _DEFAULTS.items():

@@ -94,8 +94,11 @@ def test_resize_parity(
         image = images[name]
         assert image.shape == (3, *size) and image.dtype == torch.uint8
         expected = to_uint8(resized_reference(reference, size))[0]
-        if not torch.equal(image, expected):
-            mismatched[name] = (image.int() - expected.int()).abs().max().item()
+        # Images of different sizes in one batch are resampled together (resample_many): the same
+        # filter summed in another order, so a pixel may round the other way.
+        worst = (image.int() - expected.int()).abs().max().item()
+        if worst > (0 if batch_size == 1 else 1):
+            mismatched[name] = worst
         diff = mean_abs_diff(image, pil_bilinear(reference, size))
         if diff > 1.0:
             far_from_pil[name] = diff
@@ -170,7 +173,8 @@ def test_float_is_uint8_over_255_to_one_ulp(
         assert image.dtype == dtype
         reference = uint8_chw(references, name)
         expected = reference.to(dtype) / 255
-        torch.testing.assert_close(image, expected, rtol=0, atol=torch.finfo(dtype).eps)
+        # resample_many sums the same weights in another order than interpolate: a few float32 ulps.
+        torch.testing.assert_close(image, expected, rtol=0, atol=max(torch.finfo(dtype).eps, 1e-6))
         assert torch.equal(to_uint8(image * 255), reference)
         assert image.min() >= 0.0 and image.max() <= 1.0
 
@@ -184,7 +188,8 @@ def test_resized_float_is_the_float_resize_scaled(
     for name, image in images.items():
         assert image.dtype == dtype and image.shape == (3, *size)
         expected = (resized_reference(references[name], size)[0] / 255).to(dtype)
-        torch.testing.assert_close(image, expected, rtol=0, atol=torch.finfo(dtype).eps)
+        # resample_many sums the same weights in another order than interpolate: a few float32 ulps.
+        torch.testing.assert_close(image, expected, rtol=0, atol=max(torch.finfo(dtype).eps, 1e-6))
         uint8 = to_uint8(resized_reference(references[name], size)[0])
         # Nothing is rounded to uint8 on the way: the float output keeps the interpolated fractions.
         assert (image.float() * 255 - uint8.float()).abs().max() <= 0.5 + 255 * torch.finfo(dtype).eps
@@ -214,7 +219,9 @@ def test_mean_std_normalization(
         else:
             base = resized_reference(references[name], size)[0]
         expected = normalized(base, dtype)
-        torch.testing.assert_close(image.float(), expected.float(), rtol=torch.finfo(dtype).eps, atol=1e-6)
+        # After a resize, a few float32 ulps of resample_many's other summation order, scaled by 1/std.
+        atol = 1e-6 if size is None else 1e-5
+        torch.testing.assert_close(image.float(), expected.float(), rtol=torch.finfo(dtype).eps, atol=atol)
         # Normalization really happened: values leave [0, 1] in the expected direction.
         if name == "rgb_1x1":
             continue

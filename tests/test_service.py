@@ -24,6 +24,7 @@ from threadloader import BatchDecoder, LoaderClosedError, OutputFormat, SampleEr
 from threadloader import _device as device_module
 from threadloader._stats import StatsRecorder
 from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
+from threadloader.decode.base import RegionOf
 from threadloader.service import QueueFullError
 
 from .conftest import encode, mean_abs_diff, photo, pil_reference, reader_threads
@@ -58,7 +59,12 @@ class GatedDecoder(ImageDecoder):
         self._inner = PillowDecoder()
 
     def decode(
-        self, encoded: Sequence[bytes | bytearray | memoryview], *, stream: None, stats: StatsRecorder
+        self,
+        encoded: Sequence[bytes | bytearray | memoryview],
+        *,
+        stream: None,
+        stats: StatsRecorder,
+        region_of: RegionOf | None = None,
     ) -> DecodedBatch:
         self.sizes.append(len(encoded))
         self.entered.set()
@@ -277,7 +283,7 @@ def test_a_failing_batch_fails_its_requests_and_the_service_goes_on(
     class Flaky(PillowDecoder):
         calls = 0
 
-        def decode(self, encoded, *, stream, stats):  # type: ignore[no-untyped-def]
+        def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
             Flaky.calls += 1
             if Flaky.calls == 1:
                 raise MemoryError("out of memory")

@@ -21,7 +21,7 @@ from ._sources import SampleRef, Source, fetch, read_bytes
 from ._stats import StatsRecorder
 from .decode.base import DecodedBatch, Encoded, ImageDecoder
 from .errors import SampleError
-from .transforms import OutputFormat, Transform, sample_generator
+from .transforms import Images, OutputFormat, Region, Transform, sample_generator
 
 __all__ = ["Batch", "BatchProducer", "OnError", "Outcome", "collate_targets"]
 
@@ -55,7 +55,8 @@ class BatchProducer:
         stats: Where counters and stage times go.
         on_skip: Called with each skipped sample's error, in the reader thread; default: log a warning.
         transform: Applied to each decoded ``(3, H, W)`` image before ``output``; random parameters come
-            from a generator seeded by (``seed``, epoch, sample index).
+            from a generator seeded by (``seed``, epoch, sample index) and the image's size, which the
+            decoder may know from the header: a random crop then decodes only its region.
         seed: See ``transform``.
     """
 
@@ -117,8 +118,18 @@ class BatchProducer:
         self._stats.add_time("read", reading)
 
         outcomes: list[Outcome] = []
+        plans = _Plans(self._transform, self._seed, epoch, refs) if self._transform is not None else None
         with reader.active() as stream:
-            decoded = self._decoder.decode(blobs, stream=stream, stats=self._stats) if blobs else None
+            decoded = (
+                self._decoder.decode(
+                    blobs,
+                    stream=stream,
+                    stats=self._stats,
+                    region_of=plans.region_of if plans is not None and plans.random else None,
+                )
+                if blobs
+                else None
+            )
             if decoded is not None:
                 for position, reason in sorted(decoded.errors.items()):
                     ref = refs[position]
@@ -140,7 +151,7 @@ class BatchProducer:
                 for error in errors:
                     self._stats.count("skipped")
                     self._on_skip(error)
-                outcomes.append(self._finish(refs, decoded, first, last, reader, epoch) if decoded else None)
+                outcomes.append(self._finish(refs, decoded, first, last, reader, plans) if decoded else None)
                 first = last
         return outcomes
 
@@ -151,19 +162,25 @@ class BatchProducer:
         first: int,
         last: int,
         reader: ReaderStream,
-        epoch: int,
+        plans: _Plans | None,
     ) -> Batch | None:
         """Formats positions ``first:last`` of a decoded group as one batch and seals it."""
         kept = [p for p in range(first, last) if decoded.images[p] is not None]
         if not kept:
             return None
         with self._stats.timed("transform"):
-            whole = len(kept) == last - first and decoded.stacked is not None
-            stacked = decoded.stacked[first:last].permute(0, 3, 1, 2) if whole else None  # type: ignore[index]
-            chw = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
-            if self._transform is not None:
-                chw, stacked = self._transformed(chw, stacked, [refs[p].index for p in kept], epoch)
-            images = self._output.apply(chw, stacked)
+            images: Images
+            whole = len(kept) == last - first
+            if whole and decoded.stacked is not None:
+                images = decoded.stacked[first:last].permute(0, 3, 1, 2)
+            elif whole and decoded.padded is not None and all(p in decoded.regions for p in kept):
+                # Regions at the top left of padded rows: what a region-reading first transform takes.
+                images = decoded.padded[first:last].permute(0, 3, 1, 2)
+            else:
+                images = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
+            if self._transform is not None and plans is not None:
+                images = self._transform.apply_many(images, [plans.params(p, decoded) for p in kept])
+            images = self._output.apply(images)
         return Batch(
             images=images,
             targets=collate_targets([refs[p].target for p in kept]),
@@ -171,21 +188,48 @@ class BatchProducer:
             ready=reader.seal(images if isinstance(images, list) else [images]),
         )
 
-    def _transformed(
-        self, images: list[torch.Tensor], stacked: torch.Tensor | None, indices: list[int], epoch: int
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Applies the transform: once to a same-size batch when it is not random, else per image."""
-        transform = self._transform
-        assert transform is not None
-        if stacked is not None and not transform.random:
-            stacked = transform(stacked)
-            return list(stacked.unbind(0)), stacked
-        return [
-            transform(
-                image, generator=sample_generator(self._seed, epoch, index) if transform.random else None
-            )
-            for image, index in zip(images, indices, strict=True)
-        ], None
+
+class _Plans:
+    """The transform's parameters for each sample of a group, drawn once per sample.
+
+    Drawn from the image's size alone: when the decoder asks which region to decode, from the size in
+    the header, else from the decoded image. Both are the displayed size, so a sample gets the same
+    parameters on every path (GPU region, GPU whole, CPU) and thread count.
+    """
+
+    def __init__(self, transform: Transform, seed: int, epoch: int, refs: list[SampleRef]) -> None:
+        self._transform = transform
+        self.random = transform.random
+        self._seed = seed
+        self._epoch = epoch
+        self._refs = refs
+        self._drawn: dict[int, tuple[tuple[int, int], Any]] = {}
+        self._in_region: dict[int, Any] = {}
+
+    def region_of(self, position: int, size: tuple[int, int]) -> Region | None:
+        """The region to decode for the sample at ``position``; see :data:`~.decode.base.RegionOf`."""
+        split = self._transform.split_region(self._draw(position, size))
+        if split is None:
+            return None
+        region, self._in_region[position] = split
+        return region
+
+    def params(self, position: int, decoded: DecodedBatch) -> Any:
+        """The parameters to apply to the decoded image at ``position``."""
+        if position in decoded.regions:
+            return self._in_region[position]
+        image = decoded.images[position]
+        assert image is not None
+        size = (int(image.shape[0]), int(image.shape[1]))
+        drawn = self._drawn.get(position)
+        return drawn[1] if drawn is not None and drawn[0] == size else self._draw(position, size)
+
+    def _draw(self, position: int, size: tuple[int, int]) -> Any:
+        index = self._refs[position].index
+        generator = sample_generator(self._seed, self._epoch, index) if self.random else None
+        params = self._transform.sample(size, generator)
+        self._drawn[position] = (size, params)
+        return params
 
 
 def _log_skip(error: SampleError) -> None:

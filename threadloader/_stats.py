@@ -31,6 +31,7 @@ class LoaderStats:
         skipped: Samples dropped by ``on_error="skip"``.
         errors: Sample errors seen (raised or skipped).
         cpu_fallbacks: Samples the GPU decoder gave up on that were decoded on the CPU instead.
+        region_decodes: Samples decoded as a random crop's region only, not as the whole image.
         stage_seconds: Host seconds per stage, keys as in :data:`STAGES`.
     """
 
@@ -39,6 +40,7 @@ class LoaderStats:
     skipped: int = 0
     errors: int = 0
     cpu_fallbacks: int = 0
+    region_decodes: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
 
@@ -47,7 +49,14 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = {"batches": 0, "samples": 0, "skipped": 0, "errors": 0, "cpu_fallbacks": 0}
+        self._counts = {
+            "batches": 0,
+            "samples": 0,
+            "skipped": 0,
+            "errors": 0,
+            "cpu_fallbacks": 0,
+            "region_decodes": 0,
+        }
         self._seconds = dict.fromkeys(STAGES, 0.0)
 
     def count(self, name: str, n: int = 1) -> None:

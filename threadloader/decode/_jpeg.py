@@ -6,10 +6,37 @@ Pillow's parser costs tens of microseconds with the GIL held.
 
 from __future__ import annotations
 
-__all__ = ["has_end_marker", "normalize_gray_sampling"]
+from collections.abc import Iterator
+
+__all__ = ["exif_orientation", "has_end_marker", "normalize_gray_sampling"]
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not frames
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM and RSTn carry no length
+_APP1 = 0xE1
+_SOS = 0xDA
+_ORIENTATION_TAG = 0x0112
+
+
+def _segments(view: memoryview) -> Iterator[tuple[int, int, int]]:
+    """Yields ``(marker, position, length)`` of each header segment, up to the first scan."""
+    if view[:2] != b"\xff\xd8":
+        return
+    position = 2
+    while position + 4 <= len(view):
+        if view[position] != 0xFF:
+            return
+        marker = view[position + 1]
+        if marker == 0xFF:  # fill byte
+            position += 1
+            continue
+        if marker in _STANDALONE:
+            position += 2
+            continue
+        length = (view[position + 2] << 8) | view[position + 3]
+        yield marker, position, length
+        if marker == _SOS:
+            return
+        position += 2 + length
 
 
 def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
@@ -21,20 +48,9 @@ def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | byt
     one block per MCU), so rewriting them to 1x1 is exact.
     """
     view = memoryview(data)
-    position = 2
-    if view[:2] != b"\xff\xd8":
-        return data
-    while position + 4 <= len(view):
-        if view[position] != 0xFF:
+    for marker, position, _ in _segments(view):
+        if marker == _SOS:  # a scan before any frame header: not a JPEG we can reason about
             return data
-        marker = view[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
-            continue
-        if marker in _STANDALONE:
-            position += 2
-            continue
-        length = (view[position + 2] << 8) | view[position + 3]
         if marker in _SOF_MARKERS:
             components = view[position + 9] if position + 9 < len(view) else 0
             sampling = position + 11
@@ -43,10 +59,42 @@ def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | byt
             patched = bytearray(data)
             patched[sampling] = 0x11
             return bytes(patched)
-        if marker == 0xDA:  # start of scan before any frame header: not a JPEG we can reason about
-            return data
-        position += 2 + length
     return data
+
+
+def exif_orientation(data: bytes | bytearray | memoryview) -> int | None:
+    """The EXIF orientation (1-8) of a JPEG; 1 without EXIF; ``None`` when the EXIF cannot be read.
+
+    nvImageCodec applies the orientation but reports the stored size: orientations 5-8 swap height and
+    width. A region to decode is given in the displayed frame, so the displayed size must be known first.
+    """
+    view = memoryview(data)
+    for marker, position, length in _segments(view):
+        if marker != _APP1 or bytes(view[position + 4 : position + 10]) != b"Exif\x00\x00":
+            continue
+        return _tiff_orientation(bytes(view[position + 10 : position + 2 + length]))
+    return 1
+
+
+def _tiff_orientation(tiff: bytes) -> int | None:
+    """The orientation tag of a TIFF structure's first directory (EXIF's layout)."""
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return None
+
+    def number(at: int, size: int) -> int:
+        return int.from_bytes(tiff[at : at + size], order)  # type: ignore[arg-type]
+
+    directory = number(4, 4)
+    if directory + 2 > len(tiff):
+        return None
+    for entry in range(directory + 2, directory + 2 + 12 * number(directory, 2), 12):
+        if entry + 12 > len(tiff):
+            return None
+        if number(entry, 2) == _ORIENTATION_TAG:
+            value = number(entry + 8, 2)
+            return value if 1 <= value <= 8 else None
+    return 1
 
 
 def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) -> bool:

@@ -8,16 +8,27 @@ is what makes the CPU and GPU paths give the same output.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .._stats import StatsRecorder
 
-__all__ = ["DEFAULT_MAX_PIXELS", "DecodedBatch", "Encoded", "ImageDecoder", "pixel_limit_error"]
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "DecodedBatch",
+    "Encoded",
+    "ImageDecoder",
+    "RegionOf",
+    "pixel_limit_error",
+]
 
 Encoded = bytes | bytearray | memoryview
+
+#: Asked by a decoder that can decode part of an image, with a sample's position in the batch and its
+#: displayed ``(height, width)``: the region ``(top, left, height, width)`` to decode, or ``None``.
+RegionOf = Callable[[int, tuple[int, int]], tuple[int, int, int, int] | None]
 
 #: Default decompression-bomb guard: Pillow's own limit (about 89.5 million pixels, 9459 x 9459).
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -43,11 +54,16 @@ class DecodedBatch:
         errors: Position to the reason it failed, for each ``None`` in ``images``.
         stacked: A ``(B, H, W, 3)`` tensor whose slices are exactly ``images`` when every sample decoded
             to one shape, so later stages can work on the batch at once; otherwise ``None``.
+        regions: Positions decoded as the region ``region_of`` asked for, not as the whole image.
+        padded: When set, a ``(B, Hmax, Wmax, 3)`` tensor holding each image of ``regions`` at the top
+            left of its row (the rest of a row is undefined), so a batch of crops can be resized at once.
     """
 
     images: list[torch.Tensor | None]
     errors: dict[int, str] = field(default_factory=dict)
     stacked: torch.Tensor | None = None
+    regions: set[int] = field(default_factory=set)
+    padded: torch.Tensor | None = None
 
 
 class ImageDecoder(ABC):
@@ -67,6 +83,7 @@ class ImageDecoder(ABC):
         *,
         stream: torch.cuda.Stream | None,
         stats: StatsRecorder,
+        region_of: RegionOf | None = None,
     ) -> DecodedBatch:
         """Decodes a batch.
 
@@ -75,6 +92,8 @@ class ImageDecoder(ABC):
             stream: The calling thread's CUDA stream (``None`` on the CPU); all device work is queued on
                 it and the returned tensors are ready once that stream reaches this point.
             stats: Where to add host time per stage.
+            region_of: Lets a decoder that can decode part of an image (a random crop's region) ask
+                which part; decoders that cannot ignore it and decode the whole image.
 
         Returns:
             One entry per input; a sample that cannot be decoded is reported in ``errors``, never raised.

@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageOps
 
 from .._stats import StatsRecorder
-from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, pixel_limit_error
+from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 
 __all__ = ["PillowDecoder", "decode_rgb"]
 
@@ -59,8 +59,9 @@ class PillowDecoder(ImageDecoder):
         *,
         stream: torch.cuda.Stream | None,
         stats: StatsRecorder,
+        region_of: RegionOf | None = None,
     ) -> DecodedBatch:
-        """Decodes each image with Pillow; see :meth:`ImageDecoder.decode`."""
+        """Decodes each whole image with Pillow; see :meth:`ImageDecoder.decode` (``region_of`` unused)."""
         batch = DecodedBatch(images=[])
         with stats.timed("decode"):
             for position, data in enumerate(encoded):

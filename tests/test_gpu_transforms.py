@@ -1,0 +1,115 @@
+"""GPU transforms: region decoding for random crops against whole decode + crop and the CPU path.
+
+Run on a machine with an NVIDIA GPU and nvImageCodec: ``python -m pytest -m gpu -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from threadloader import ThreadLoader
+from threadloader.decode import nvimgcodec as nv_module
+from threadloader.transforms import (
+    CenterCrop,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    ToDtype,
+    resample_many,
+)
+
+from .conftest import jpeg_corpus, photo
+
+pytestmark = pytest.mark.gpu
+
+#: Mean absolute difference allowed per image, 0-255 units: nvJPEG against libjpeg (measured 0.00-0.03
+#: on whole images) plus region edges and resampling order.
+TOLERANCE = 1.0
+
+#: Every JPEG of the corpus (gray, CMYK, progressive, subsampling, 1x1, all EXIF orientations), twice.
+SAMPLES = [(data, i) for i, (_, data) in enumerate(sorted(jpeg_corpus().items()) * 2)]
+
+
+def _crops(device: str, *, num_threads: int = 2, seed: int = 5) -> tuple[dict[int, torch.Tensor], object]:
+    transform = [RandomResizedCrop(48), RandomHorizontalFlip()]
+    with ThreadLoader(
+        SAMPLES, batch_size=8, seed=seed, device=device, num_threads=num_threads, transform=transform
+    ) as loader:
+        images = {
+            target: image
+            for batch, targets in loader
+            for image, target in zip(batch.cpu(), targets.tolist(), strict=True)
+        }
+        return images, loader.stats()
+
+
+def _mad(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().mean())
+
+
+def test_region_decoding_gives_the_cpu_paths_crops() -> None:
+    gpu, stats = _crops("cuda")
+    cpu, _ = _crops("cpu")
+    assert stats.region_decodes >= len(SAMPLES) // 2  # type: ignore[attr-defined]
+    assert sorted(gpu) == sorted(cpu) == list(range(len(SAMPLES)))
+    far = {i: _mad(gpu[i], cpu[i]) for i in gpu if _mad(gpu[i], cpu[i]) > TOLERANCE}
+    assert far == {}
+
+
+def test_region_decoding_equals_whole_decode_and_crop(monkeypatch: pytest.MonkeyPatch) -> None:
+    regions, with_regions = _crops("cuda")
+    monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
+    whole, without = _crops("cuda")
+    assert with_regions.region_decodes > 0 and without.region_decodes == 0  # type: ignore[attr-defined]
+    far = {i: _mad(regions[i], whole[i]) for i in regions if _mad(regions[i], whole[i]) > TOLERANCE}
+    assert far == {}
+
+
+def test_a_gpu_failing_the_region_check_decodes_whole_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nv_module, "_regions_checked", {})
+    monkeypatch.setattr(nv_module.NvImageCodecDecoder, "_check_regions", lambda self, decoder: False)
+    images, stats = _crops("cuda")
+    reference, _ = _crops("cpu")
+    assert stats.region_decodes == 0  # type: ignore[attr-defined]
+    assert all(_mad(images[i], reference[i]) <= TOLERANCE for i in images)
+
+
+def test_the_region_check_passes_on_this_gpu() -> None:
+    decoder = nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    region_decoder, _ = nv_module._shared_decoder(0, nv_module._REGION_BACKEND, 2)
+    assert decoder._check_regions(region_decoder)
+
+
+def test_crops_are_the_same_for_any_thread_count_on_the_gpu() -> None:
+    one, _ = _crops("cuda", num_threads=1)
+    four, _ = _crops("cuda", num_threads=4)
+    assert all(torch.equal(one[i], four[i]) for i in one)
+    other_seed, _ = _crops("cuda", seed=6)
+    assert sum(not torch.equal(one[i], other_seed[i]) for i in one) > len(one) // 2
+
+
+def test_transforms_on_cuda_tensors_match_the_cpu() -> None:
+    image = torch.from_numpy(photo(75, 101, 3)).permute(2, 0, 1).contiguous()
+    others = [torch.from_numpy(photo(h, w, 4)).permute(2, 0, 1) for h, w in ((40, 60), (90, 33), (75, 101))]
+    regions = [(0, 0, 40, 60), (10, 3, 50, 20), (5, 7, 60, 80)]
+    cases = {
+        "resize": lambda x: Resize(50)(x),
+        "resize_exact": lambda x: Resize((33, 47))(x),
+        "center_crop": lambda x: CenterCrop(40)(x),
+        "random_resized_crop": lambda x: RandomResizedCrop(32).apply(x, (5, 9, 50, 61)),
+        "flip": lambda x: RandomHorizontalFlip(1.0)(x),
+        "normalize": lambda x: Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))(
+            ToDtype(torch.float32, scale=True)(x)
+        ),
+    }
+    for name, transform in cases.items():
+        on_cpu, on_gpu = transform(image), transform(image.cuda()).cpu()
+        if on_cpu.is_floating_point():
+            torch.testing.assert_close(on_gpu, on_cpu, rtol=0, atol=1e-5, msg=name)
+        else:
+            assert (on_gpu.int() - on_cpu.int()).abs().max() <= 1, name
+    batched_cpu = resample_many(others, regions, (24, 24))
+    batched_gpu = resample_many([o.cuda() for o in others], regions, (24, 24)).cpu()
+    assert (batched_gpu.int() - batched_cpu.int()).abs().max() <= 1
