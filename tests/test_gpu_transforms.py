@@ -113,3 +113,34 @@ def test_transforms_on_cuda_tensors_match_the_cpu() -> None:
     batched_cpu = resample_many(others, regions, (24, 24))
     batched_gpu = resample_many([o.cuda() for o in others], regions, (24, 24)).cpu()
     assert (batched_gpu.int() - batched_cpu.int()).abs().max() <= 1
+
+
+def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Region decodes that return nothing (as nvImageCodec issue #55 reports) are retried whole on
+    the GPU and cropped; when most of a call fails, the device stops decoding regions, with a warning."""
+
+    class NoRegions:
+        def decode(self, sources, **kwargs):  # type: ignore[no-untyped-def]
+            return [None] * len(sources)
+
+    real = nv_module._shared_decoder
+
+    def failing_regions(index: int, backend: str, threads: int):  # type: ignore[no-untyped-def]
+        decoder, lock = real(index, backend, threads)
+        return (NoRegions() if backend == nv_module._REGION_BACKEND else decoder), lock
+
+    monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
+    _, whole = _crops("cuda")
+    monkeypatch.delenv(nv_module.REGION_DECODE_ENV)
+    monkeypatch.setattr(nv_module, "_shared_decoder", failing_regions)
+    monkeypatch.setattr(nv_module, "_regions_checked", {})
+    monkeypatch.setattr(nv_module.NvImageCodecDecoder, "_check_regions", lambda self, decoder: True)
+    with caplog.at_level("WARNING", logger="threadloader"):
+        images, stats = _crops("cuda")
+    reference, _ = _crops("cpu")
+    assert stats.region_decodes == 0  # type: ignore[attr-defined]
+    assert stats.cpu_fallbacks == whole.cpu_fallbacks  # type: ignore[attr-defined]  # retried on the GPU
+    assert any("region decoding failed" in record.getMessage() for record in caplog.records)
+    assert all(_mad(images[i], reference[i]) <= TOLERANCE for i in images)

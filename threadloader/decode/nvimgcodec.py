@@ -203,6 +203,7 @@ class NvImageCodecDecoder(ImageDecoder):
         with stats.timed("parse"):
             code_streams: dict[int, Any] = {}
             shapes: dict[int, tuple[int, int]] = {}
+            wholes: dict[int, tuple[Any, tuple[int, int]]] = {}  # regions' whole images, for a retry
             rewritten: list[Encoded] = []  # keeps rewritten bitstreams alive until decoded
             for position, data in enumerate(encoded):
                 try:
@@ -231,6 +232,7 @@ class NvImageCodecDecoder(ImageDecoder):
                 if region is None:
                     shapes[position] = (height, width)
                 else:
+                    wholes[position] = (code_stream, (height, width))
                     top, left, height, width = region
                     code_stream = code_stream.get_sub_code_stream(
                         region=nv.Region(top, left, top + height, left + width)
@@ -245,28 +247,37 @@ class NvImageCodecDecoder(ImageDecoder):
             outputs = nv.as_images([_DeviceBuffer(slots[p]) for p in positions], cuda_stream=handle)
 
         calls = [
-            (decoder, [i for i, p in enumerate(positions) if (p in batch.regions) == is_region])
+            (decoder, [p for p in positions if (p in batch.regions) == is_region])
             for decoder, is_region in ((self._decoder, False), (region_decoder, True))
         ]
-        calls = [(decoder, chosen) for decoder, chosen in calls if chosen]
-        if calls:
-            with stats.timed("decode_lock"):
-                self._lock.acquire()
-            try:
-                for decoder, chosen in calls:
-                    self._decode_into(
-                        decoder,
-                        [positions[i] for i in chosen],
-                        [outputs[i] for i in chosen],
-                        code_streams,
-                        slots,
-                        handle,
-                        batch,
-                        reasons,
-                        stats,
-                    )
-            finally:
-                self._lock.release()
+        outputs_of = dict(zip(positions, outputs, strict=True))
+        self._decode_locked(
+            [(decoder, chosen, [outputs_of[p] for p in chosen]) for decoder, chosen in calls if chosen],
+            code_streams,
+            slots,
+            handle,
+            batch,
+            reasons,
+            stats,
+        )
+        failed = [p for p in sorted(batch.regions) if batch.images[p] is None]
+        if failed:  # regions the GPU gave up on: decode those images whole on the GPU, crop after
+            self._regions_failed(len(failed), len(batch.regions))
+            batch.regions.difference_update(failed)
+            whole_slots = self._flat_slots({p: wholes[p][1] for p in failed})
+            slots.update(whole_slots)  # for Pillow, should the GPU fail again
+            for p in failed:
+                reasons.pop(p, None)
+            retry = nv.as_images([_DeviceBuffer(whole_slots[p]) for p in failed], cuda_stream=handle)
+            self._decode_locked(
+                [(self._decoder, failed, retry)],
+                {p: wholes[p][0] for p in failed},
+                whole_slots,
+                handle,
+                batch,
+                reasons,
+                stats,
+            )
         if reasons:
             with stats.timed("fallback"):
                 self._decode_on_cpu(encoded, reasons, batch, slots, stats)
@@ -279,11 +290,9 @@ class NvImageCodecDecoder(ImageDecoder):
             batch.stacked = None
         return batch
 
-    def _decode_into(
+    def _decode_locked(
         self,
-        decoder: Any,
-        positions: list[int],
-        outputs: list[Any],
+        calls: list[tuple[Any, list[int], list[Any]]],
         code_streams: dict[int, Any],
         slots: dict[int, torch.Tensor],
         handle: int,
@@ -291,19 +300,51 @@ class NvImageCodecDecoder(ImageDecoder):
         reasons: dict[int, str],
         stats: StatsRecorder,
     ) -> None:
-        """One call into a Decoder, with the device's lock held; failures are left to Pillow."""
+        """Calls Decoders (each with its positions and outputs) with the device's lock held.
+
+        A sample a Decoder gives up on gets a reason, for Pillow.
+        """
+        if not calls:
+            return
+        with stats.timed("decode_lock"):
+            self._lock.acquire()
         try:
-            with stats.timed("decode"):
-                sources = [code_streams[p] for p in positions]
-                results = decoder.decode(sources, images=outputs, params=self._params, cuda_stream=handle)
-        except Exception as exc:  # the whole call failed: each sample to Pillow
-            results = [None] * len(positions)
-            reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
-        for position, result in zip(positions, results, strict=True):
-            pixels = _pixels_in(result, slots[position])
-            if pixels is None:
-                reasons.setdefault(position, "nvImageCodec returned no image")
-            batch.images[position] = pixels
+            for decoder, positions, outputs in calls:
+                try:
+                    with stats.timed("decode"):
+                        results = decoder.decode(
+                            [code_streams[p] for p in positions],
+                            images=outputs,
+                            params=self._params,
+                            cuda_stream=handle,
+                        )
+                except Exception as exc:  # the whole call failed: each sample to Pillow
+                    results = [None] * len(positions)
+                    reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
+                for position, result in zip(positions, results, strict=True):
+                    pixels = _pixels_in(result, slots[position])
+                    if pixels is None:
+                        reasons.setdefault(position, "nvImageCodec returned no image")
+                    batch.images[position] = pixels
+        finally:
+            self._lock.release()
+
+    def _regions_failed(self, failed: int, total: int) -> None:
+        """Stops region decoding on this device once most regions of a call fail (issue #55's kind)."""
+        if failed * 2 <= total:
+            return
+        with _registry_lock:
+            if _regions_checked.get(self._region_key) is False:
+                return
+            _regions_checked[self._region_key] = False
+        logger.warning(
+            "region decoding failed for %d of %d images on %s; decoding whole images and cropping "
+            "from now on (set %s=0 to skip region decoding altogether)",
+            failed,
+            total,
+            self.device,
+            REGION_DECODE_ENV,
+        )
 
     def _allocate(
         self, batch: DecodedBatch, shapes: dict[int, tuple[int, int]], count: int
@@ -326,6 +367,10 @@ class NvImageCodecDecoder(ImageDecoder):
             width = max(w for _, w in shapes.values())
             batch.padded = self._output_memory((count, height, width, 3))
             return {p: batch.padded[p, :h, :w] for p, (h, w) in shapes.items()}
+        return self._flat_slots(shapes)
+
+    def _flat_slots(self, shapes: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """Contiguous ``(H, W, 3)`` views into one allocation, one per position."""
         sizes = [h * w * 3 for h, w in shapes.values()]
         flat = self._output_memory((sum(sizes),))
         return {
