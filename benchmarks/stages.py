@@ -1,0 +1,145 @@
+"""Where the time goes: a ThreadLoader's stage seconds, and raw region against whole-image decoding.
+
+CLI: ``python -m benchmarks.stages [--set varied] [--augment] [--threads 1,2] [--raw-decode]``.
+
+The loader rows print images/s and ``loader.stats()``'s host seconds per stage (summed over threads)
+over ``--batches`` batches after a warm-up. ``--raw-decode`` times nvImageCodec alone on preloaded
+bytes, one thread, per backend: whole images against the regions RandomResizedCrop draws for them,
+without any resize, which is what region decoding saves at the decoder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
+from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD
+from threadloader import ThreadLoader
+from threadloader.decode.nvimgcodec import REGION_DECODE_ENV
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, sample_generator
+
+
+def loader_row(
+    root: os.PathLike[str], *, set_name: str, augment: bool, region: bool, threads: int | None, batches: int
+) -> str:
+    """Runs one loader configuration and describes its throughput and stages."""
+    os.environ[REGION_DECODE_ENV] = "1" if region else "0"
+    size = OUTPUT_SIZE[set_name]
+    options = (
+        {
+            "transform": [RandomResizedCrop(size), RandomHorizontalFlip()],
+            "mean": IMAGENET_MEAN,
+            "std": IMAGENET_STD,
+        }
+        if augment
+        else {"size": size}
+    )
+    with ThreadLoader(
+        root, batch_size=32, shuffle=True, num_threads=threads, dtype=torch.float32, **options
+    ) as loader:
+        epoch = iter(loader)
+
+        def take(count: int) -> int:
+            nonlocal epoch
+            seen = 0
+            while seen < count:
+                try:
+                    next(epoch)
+                except StopIteration:
+                    epoch = iter(loader)
+                    continue
+                seen += 1
+            return seen
+
+        take(10)
+        _sync()
+        before, started = loader.stats(), time.perf_counter()
+        images = take(batches) * 32
+        _sync()
+        seconds, after = time.perf_counter() - started, loader.stats()
+    stages = {k: round(after.stage_seconds[k] - before.stage_seconds[k], 2) for k in after.stage_seconds}
+    return (
+        f"augment={augment} region={region} threads={threads or 'default'}: {images / seconds:,.0f} img/s, "
+        f"region_decodes {after.region_decodes - before.region_decodes}, "
+        f"cpu_fallbacks {after.cpu_fallbacks - before.cpu_fallbacks}, stage seconds {stages}"
+    )
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def raw_decode_rows(root: os.PathLike[str], *, count: int = 1024, batch: int = 128) -> list[str]:
+    """nvImageCodec alone, one thread: whole images against RandomResizedCrop(224) regions of them."""
+    from nvidia import nvimgcodec as nv
+
+    blobs = [path.read_bytes() for path, _ in list_images(root)][:count]
+    params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.SRGB, sample_format=nv.I_RGB)
+    crops = RandomResizedCrop(224)
+    rows = []
+    for name, kind in (("auto", None), ("hardware", "HW_GPU_ONLY"), ("hybrid", "HYBRID_CPU_GPU")):
+        decoder = nv.Decoder(backends=None if kind is None else [nv.Backend(getattr(nv, kind))])
+        streams = [nv.CodeStream(data) for data in blobs]
+        regions = [
+            crops.sample((cs.height, cs.width), sample_generator(0, 0, i)) for i, cs in enumerate(streams)
+        ]
+        parts = [
+            cs.get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
+            for cs, (t, left, h, w) in zip(streams, regions, strict=True)
+        ]
+        speeds = {}
+        for label, sources in (("whole", streams), ("region", parts)):
+            decoder.decode(sources[:batch], params=params)  # warm-up
+            torch.cuda.synchronize()
+            started, decoded = time.perf_counter(), 0
+            for start in range(0, len(sources), batch):
+                decoded += sum(
+                    out is not None for out in decoder.decode(sources[start : start + batch], params=params)
+                )
+            torch.cuda.synchronize()
+            speeds[label] = (decoded / (time.perf_counter() - started), decoded)
+        rows.append(
+            f"raw decode {name}: whole {speeds['whole'][0]:,.0f} img/s ({speeds['whole'][1]} decoded), "
+            f"region {speeds['region'][0]:,.0f} img/s ({speeds['region'][1]} decoded): "
+            f"{speeds['region'][0] / speeds['whole'][0]:.2f}x"
+        )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Prints the selected rows."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=SETS, default="varied")
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--augment", action="store_true", help="RandomResizedCrop + flip + normalize")
+    parser.add_argument("--threads", default="0", help="comma list of reader threads (0: default)")
+    parser.add_argument("--batches", type=int, default=150)
+    parser.add_argument("--raw-decode", action="store_true")
+    args = parser.parse_args(argv)
+    root = ensure_dataset(args.set, count=args.count)
+    for threads in (int(t) for t in args.threads.split(",")):
+        for region in (True, False) if args.augment else (True,):
+            print(
+                loader_row(
+                    root,
+                    set_name=args.set,
+                    augment=args.augment,
+                    region=region,
+                    threads=threads or None,
+                    batches=args.batches,
+                ),
+                flush=True,
+            )
+    if args.raw_decode:
+        for row in raw_decode_rows(root):
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
