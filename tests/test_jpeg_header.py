@@ -1,8 +1,10 @@
+import random
+
 import numpy as np
 
-from threadloader.decode._jpeg import normalize_gray_sampling
+from threadloader.decode._jpeg import exif_orientation, normalize_gray_sampling
 
-from .conftest import encode, photo, pil_reference, with_gray_sampling
+from .conftest import encode, photo, pil_reference, with_gray_sampling, with_orientation
 
 
 def test_gray_sampling_rewrite_is_exact() -> None:
@@ -20,3 +22,59 @@ def test_other_files_are_returned_as_they_are() -> None:
     png = encode(photo(30, 40, 4), fmt="PNG")
     for data in (color, gray, png, b"", b"\xff\xd8", b"\xff\xd8\xff\xc0\x00"):
         assert normalize_gray_sampling(data) is data
+
+
+def _exif_jpeg(orientation: int, order: bytes) -> bytes:
+    """A JPEG whose APP1 carries one IFD entry, the orientation, in ``order`` ("II" or "MM")."""
+    endian = "little" if order == b"II" else "big"
+    tiff = order + (42).to_bytes(2, endian) + (8).to_bytes(4, endian) + (1).to_bytes(2, endian)
+    tiff += (0x0112).to_bytes(2, endian) + (3).to_bytes(2, endian) + (1).to_bytes(4, endian)
+    tiff += orientation.to_bytes(2, endian) + b"\x00\x00" + (0).to_bytes(4, endian)
+    app1 = b"Exif\x00\x00" + tiff
+    plain = encode(photo(8, 8, 5), quality=90)
+    return plain[:2] + b"\xff\xe1" + (len(app1) + 2).to_bytes(2, "big") + app1 + plain[2:]
+
+
+def test_exif_orientation_in_both_byte_orders() -> None:
+    for orientation in range(1, 9):
+        assert exif_orientation(with_orientation(photo(20, 30, 6), orientation)) == orientation
+        for order in (b"II", b"MM"):
+            data = _exif_jpeg(orientation, order)
+            assert exif_orientation(data) == orientation
+            assert pil_reference(data).shape[:2] == ((8, 8))
+    assert exif_orientation(encode(photo(20, 30, 7), quality=90)) == 1  # no EXIF
+
+
+def test_exif_orientation_never_raises_on_damaged_headers() -> None:
+    data = with_orientation(photo(20, 30, 8), 6)
+    start = data.index(b"Exif")
+    rng = random.Random(0)
+    for _ in range(2000):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            damaged[rng.randrange(start - 4, start + 60)] = rng.randrange(256)
+        assert exif_orientation(bytes(damaged)) in (None, *range(1, 9))
+        assert exif_orientation(bytes(damaged[: rng.randrange(len(damaged))])) in (None, *range(1, 9))
+    for junk in (b"", b"\xff\xd8", b"\xff\xd8\xff\xe1\x00\x02", b"\xff\xd8\xff\xe1\xff\xffExif\x00\x00II"):
+        assert exif_orientation(junk) in (None, 1)
+
+
+def test_regions_are_asked_for_in_the_displayed_frame() -> None:
+    from threadloader.decode.nvimgcodec import _region
+
+    asked = []
+
+    def region_of(position: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
+        asked.append(size)
+        return (1, 2, 3, 4)
+
+    for orientation, expected in ((1, (20, 30)), (3, (20, 30)), (6, (30, 20)), (8, (30, 20))):
+        assert _region((20, 30), with_orientation(photo(20, 30, 9), orientation), 0, region_of) == (
+            1,
+            2,
+            3,
+            4,
+        )
+        assert asked[-1] == expected
+    whole = lambda position, size: (0, 0, *size)  # noqa: E731
+    assert _region((20, 30), encode(photo(20, 30, 9), quality=90), 0, whole) is None
