@@ -55,6 +55,8 @@ def test_exif_orientation_never_raises_on_damaged_headers() -> None:
             damaged[rng.randrange(start - 4, start + 60)] = rng.randrange(256)
         assert exif_orientation(bytes(damaged)) in (None, *range(1, 9))
         assert exif_orientation(bytes(damaged[: rng.randrange(len(damaged))])) in (None, *range(1, 9))
+    plain = encode(photo(20, 30, 10), quality=90)
+    assert exif_orientation(plain[:2] + b"\x00" + plain[2:]) is None  # a walk cut short: unsure
     for junk in (b"", b"\xff\xd8", b"\xff\xd8\xff\xe1\x00\x02", b"\xff\xd8\xff\xe1\xff\xffExif\x00\x00II"):
         assert exif_orientation(junk) in (None, 1)
 
@@ -78,3 +80,5 @@ def test_regions_are_asked_for_in_the_displayed_frame() -> None:
         assert asked[-1] == expected
     whole = lambda position, size: (0, 0, *size)  # noqa: E731
     assert _region((20, 30), encode(photo(20, 30, 9), quality=90), 0, whole) is None
+    # A header without a height (DNL-style): nothing to draw a crop from, so the whole image.
+    assert _region((0, 30), encode(photo(20, 30, 9), quality=90), 0, region_of) is None

@@ -256,3 +256,10 @@ def test_normalize_and_dtype_parity(v2) -> None:  # type: ignore[no-untyped-def]
     )
     ours = Compose([ToDtype(torch.float32, scale=True), Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.5))])
     torch.testing.assert_close(ours(IMAGE), theirs(IMAGE), atol=1e-6, rtol=0)
+
+
+def test_random_resized_crop_takes_any_leading_dimensions() -> None:
+    stack = torch.stack([IMAGE, IMAGE.flip(-1)]).unsqueeze(0)  # (1, 2, 3, H, W)
+    out = RandomResizedCrop(16).apply(stack, (3, 4, 50, 60))
+    assert out.shape == (1, 2, 3, 16, 16)
+    assert torch.equal(out[0, 1], RandomResizedCrop(16).apply(IMAGE.flip(-1), (3, 4, 50, 60)))

@@ -15,6 +15,7 @@ _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM and RSTn carry no len
 _APP1 = 0xE1
 _SOS = 0xDA
 _ORIENTATION_TAG = 0x0112
+_SHORT = 3  # the TIFF type the orientation tag has
 
 
 def _segments(view: memoryview) -> Iterator[tuple[int, int, int]]:
@@ -63,17 +64,23 @@ def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | byt
 
 
 def exif_orientation(data: bytes | bytearray | memoryview) -> int | None:
-    """The EXIF orientation (1-8) of a JPEG; 1 without EXIF; ``None`` when the EXIF cannot be read.
+    """The EXIF orientation (1-8) of a JPEG; 1 without EXIF; ``None`` when unsure.
 
     nvImageCodec applies the orientation but reports the stored size: orientations 5-8 swap height and
     width. A region to decode is given in the displayed frame, so the displayed size must be known first.
+    Unsure (a header walk that stops before the scan, EXIF that is not well formed): ``None``, and the
+    caller decodes the whole image, which is right whatever a decoder makes of such a header.
     """
     view = memoryview(data)
+    orientation: int | None = 1
+    found = False
     for marker, position, length in _segments(view):
-        if marker != _APP1 or bytes(view[position + 4 : position + 10]) != b"Exif\x00\x00":
-            continue
-        return _tiff_orientation(bytes(view[position + 10 : position + 2 + length]))
-    return 1
+        if marker == _SOS:
+            return orientation
+        if not found and marker == _APP1 and bytes(view[position + 4 : position + 10]) == b"Exif\x00\x00":
+            found = True
+            orientation = _tiff_orientation(bytes(view[position + 10 : position + 2 + length]))
+    return None
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:
@@ -85,6 +92,8 @@ def _tiff_orientation(tiff: bytes) -> int | None:
     def number(at: int, size: int) -> int:
         return int.from_bytes(tiff[at : at + size], order)  # type: ignore[arg-type]
 
+    if number(2, 2) != 42:  # TIFF's magic number
+        return None
     directory = number(4, 4)
     if directory + 2 > len(tiff):
         return None
@@ -92,6 +101,8 @@ def _tiff_orientation(tiff: bytes) -> int | None:
         if entry + 12 > len(tiff):
             return None
         if number(entry, 2) == _ORIENTATION_TAG:
+            if number(entry + 2, 2) != _SHORT or number(entry + 4, 4) != 1:
+                return None
             value = number(entry + 8, 2)
             return value if 1 <= value <= 8 else None
     return 1

@@ -45,6 +45,9 @@ BACKENDS = {
 #: RandomResizedCrop regions (the hardware engine: 7.0k and 6.6k; auto picks it: 6.3k and 6.5k).
 _REGION_BACKEND = "hybrid"
 
+#: Fewest regions in a decoder call for its failures to turn region decoding off (see _regions_failed).
+_REGIONS_TO_JUDGE = 8
+
 #: Set to 0 to decode whole images and crop afterwards, should region decoding misbehave on a GPU
 #: (nvImageCodec issue #55 reports failures and crashes of region decoding on some GPUs with 0.9.0).
 REGION_DECODE_ENV = "THREADLOADER_REGION_DECODE"
@@ -131,8 +134,8 @@ class NvImageCodecDecoder(ImageDecoder):
         """Decodes a batch on ``stream``; see :meth:`ImageDecoder.decode`.
 
         JPEGs are decoded as the region ``region_of`` asks for, when region decoding passed its check
-        on this device; a region that fails is decoded whole by Pillow instead (and not reported in
-        ``regions``), so the caller crops it.
+        on this device; a region that fails is decoded whole (on the GPU, else by Pillow) and not
+        reported in ``regions``, so the caller crops it.
         """
         if stream is None:
             raise ValueError("NvImageCodecDecoder.decode needs the calling thread's CUDA stream")
@@ -150,8 +153,10 @@ class NvImageCodecDecoder(ImageDecoder):
         decoder, _ = _shared_decoder(device, backend, cpu_threads)
         with _registry_lock:
             works = _regions_checked.get(self._region_key)
-            if works is None:
-                works = _regions_checked[self._region_key] = self._check_regions(decoder)
+        if works is None:  # outside the registry lock: the check decodes; two threads may both run it
+            checked = self._check_regions(decoder)
+            with _registry_lock:
+                works = _regions_checked.setdefault(self._region_key, checked)
         return decoder if works else None
 
     def _check_regions(self, decoder: Any) -> bool:
@@ -262,7 +267,7 @@ class NvImageCodecDecoder(ImageDecoder):
         )
         failed = [p for p in sorted(batch.regions) if batch.images[p] is None]
         if failed:  # regions the GPU gave up on: decode those images whole on the GPU, crop after
-            self._regions_failed(len(failed), len(batch.regions))
+            regions = len(batch.regions)
             batch.regions.difference_update(failed)
             whole_slots = self._flat_slots({p: wholes[p][1] for p in failed})
             slots.update(whole_slots)  # for Pillow, should the GPU fail again
@@ -278,6 +283,8 @@ class NvImageCodecDecoder(ImageDecoder):
                 reasons,
                 stats,
             )
+            # Only failures whose whole image decoded count against region decoding: not bad files.
+            self._regions_failed(sum(batch.images[p] is not None for p in failed), regions)
         if reasons:
             with stats.timed("fallback"):
                 self._decode_on_cpu(encoded, reasons, batch, slots, stats)
@@ -330,8 +337,13 @@ class NvImageCodecDecoder(ImageDecoder):
             self._lock.release()
 
     def _regions_failed(self, failed: int, total: int) -> None:
-        """Stops region decoding on this device once most regions of a call fail (issue #55's kind)."""
-        if failed * 2 <= total:
+        """Stops region decoding on this device once most regions of a call fail (issue #55's kind).
+
+        ``failed`` counts regions that failed where the whole image decoded; a call of fewer than
+        :data:`_REGIONS_TO_JUDGE` regions is not judged, so one odd file in a small batch is not taken
+        for a broken decoder.
+        """
+        if total < _REGIONS_TO_JUDGE or failed * 2 <= total:
             return
         with _registry_lock:
             if _regions_checked.get(self._region_key) is False:
@@ -351,10 +363,10 @@ class NvImageCodecDecoder(ImageDecoder):
     ) -> dict[int, torch.Tensor]:
         """Allocates outputs with one allocation per batch.
 
-        Rows of a ``(B, H, W, 3)`` tensor when all shapes agree. Regions of different sizes go to the
-        top-left corners of a padded ``(B, Hmax, Wmax, 3)`` tensor, which the crop's resize then reads
-        as one batch without copying each image. Other images of different sizes: views into one flat
-        buffer. Every row of a batch tensor is returned, so a CPU fallback of that shape fills its own.
+        Rows of a ``(B, H, W, 3)`` tensor when all shapes agree: every row is returned, so a CPU
+        fallback of that shape fills its own. Regions of different sizes go to the top-left corners of
+        a padded ``(B, Hmax, Wmax, 3)`` tensor, which the crop's resize then reads as one batch without
+        copying each image. Other images of different sizes: views into one flat buffer.
         """
         if not shapes:
             return {}
@@ -506,7 +518,7 @@ def _region(
     orienting), so orientations 5-8 swap the stored size. Unreadable EXIF: decode the whole image.
     """
     orientation = exif_orientation(data)
-    if orientation is None:
+    if orientation is None or min(stored) < 1:  # unsure of the frame; or no size to draw from
         return None
     size = (stored[1], stored[0]) if orientation >= 5 else stored
     region = region_of(position, size)
