@@ -676,13 +676,10 @@ def _resample(
     compute = torch.float64 if torch.float64 in (hwc.dtype, target) else torch.float32
     batch, height, width, channels = hwc.shape
     (out_h, out_w) = size
-    # One call builds the weights of both axes: rows of the regions' (top, height), then (left, width).
-    spans = [(top, h) for top, _, h, _ in regions] + [(left, w) for _, left, _, w in regions]
-    lengths = torch.tensor([out_h] * batch + [out_w] * batch, dtype=compute)
-    spans_on_device = _to_device(
-        torch.cat([torch.tensor(spans, dtype=compute), lengths[:, None]], 1), hwc.device
-    )
-    weights = _filter_weights(spans_on_device, max(out_h, out_w), max(height, width), antialias)
+    # One call builds the weights of both axes: (top, height, out_h) per region, then (left, width, out_w).
+    spans = [(top, h, out_h) for top, _, h, _ in regions] + [(left, w, out_w) for _, left, _, w in regions]
+    on_device = _to_device(torch.tensor(spans, dtype=compute), hwc.device)
+    weights = _filter_weights(on_device, max(out_h, out_w), max(height, width), antialias)
     rows = weights[:batch, :out_h, :height]  # (B, out_h, H)
     columns = weights[batch:, :out_w, :width]  # (B, out_w, W)
     # Two batched products over (B, H, W*C) views: rows first, then columns after one transpose.
