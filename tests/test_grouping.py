@@ -133,3 +133,26 @@ def test_decode_batch_size_is_validated(samples: list[tuple[bytes, int]]) -> Non
     with pytest.raises(ValueError, match="decode_batch_size"):
         ThreadLoader(samples, decode_batch_size=0, device="cpu")
     assert ThreadLoader(samples, batch_size=4, device="cpu").decode_batch_size == 4
+
+
+def test_random_transforms_on_a_whole_group_match_per_batch() -> None:
+    # A group with no failures is transformed in one call: same crops, flips and pixels as one call per
+    # output batch, within the resampling's rounding (padding differs between the two).
+    from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
+
+    sized = [(encode(photo(20 + 3 * (i % 5), 28 + 2 * (i % 4), seed=400 + i), quality=90), i) for i in range(N)]
+    options = dict(
+        batch_size=4,
+        shuffle=True,
+        seed=9,
+        device="cpu",
+        transform=[RandomResizedCrop(16), RandomHorizontalFlip()],
+    )
+    with ThreadLoader(sized, decode_batch_size=12, **options) as grouped:
+        grouped_epoch = [(images, targets.tolist()) for images, targets in grouped]
+    with ThreadLoader(sized, decode_batch_size=4, **options) as plain:
+        plain_epoch = [(images, targets.tolist()) for images, targets in plain]
+    assert [t for _, t in grouped_epoch] == [t for _, t in plain_epoch]
+    for (grouped_images, _), (plain_images, _) in zip(grouped_epoch, plain_epoch, strict=True):
+        assert grouped_images.shape == plain_images.shape == (len(plain_images), 3, 16, 16)
+        assert (grouped_images.int() - plain_images.int()).abs().max() <= 1

@@ -135,6 +135,14 @@ class BatchProducer:
                     ref = refs[position]
                     error = SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason)
                     failures.setdefault(owner[position], []).append(error)
+            # A group without failures is formatted at once: one chain of kernels for the whole decoder
+            # call, not one per output batch (the transform's host cost is mostly per call).
+            complete = decoded is not None and all(image is not None for image in decoded.images)
+            formatted = (
+                self._format(decoded, 0, len(refs), plans)
+                if decoded is not None and complete and not failures and len(batches) > 1
+                else None
+            )
             first = 0
             for number in range(len(batches)):
                 last = first
@@ -151,23 +159,33 @@ class BatchProducer:
                 for error in errors:
                     self._stats.count("skipped")
                     self._on_skip(error)
-                outcomes.append(self._finish(refs, decoded, first, last, reader, plans) if decoded else None)
+                kept = (
+                    []
+                    if decoded is None
+                    else [p for p in range(first, last) if decoded.images[p] is not None]
+                )
+                if decoded is None or not kept:
+                    outcomes.append(None)
+                else:
+                    images = (
+                        formatted[first:last]
+                        if formatted is not None
+                        else self._format(decoded, first, last, plans)
+                    )
+                    outcomes.append(
+                        Batch(
+                            images=images,
+                            targets=collate_targets([refs[p].target for p in kept]),
+                            indices=[refs[p].index for p in kept],
+                            ready=reader.seal(images if isinstance(images, list) else [images]),
+                        )
+                    )
                 first = last
         return outcomes
 
-    def _finish(
-        self,
-        refs: list[SampleRef],
-        decoded: DecodedBatch,
-        first: int,
-        last: int,
-        reader: ReaderStream,
-        plans: _Plans | None,
-    ) -> Batch | None:
-        """Formats positions ``first:last`` of a decoded group as one batch and seals it."""
+    def _format(self, decoded: DecodedBatch, first: int, last: int, plans: _Plans | None) -> Images:
+        """Transforms and formats the decoded images at positions ``first:last`` (those not failed)."""
         kept = [p for p in range(first, last) if decoded.images[p] is not None]
-        if not kept:
-            return None
         with self._stats.timed("transform"):
             images: Images
             whole = len(kept) == last - first
@@ -180,13 +198,7 @@ class BatchProducer:
                 images = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
             if self._transform is not None and plans is not None:
                 images = self._transform.apply_many(images, [plans.params(p, decoded) for p in kept])
-            images = self._output.apply(images)
-        return Batch(
-            images=images,
-            targets=collate_targets([refs[p].target for p in kept]),
-            indices=[refs[p].index for p in kept],
-            ready=reader.seal(images if isinstance(images, list) else [images]),
-        )
+            return self._output.apply(images)
 
 
 class _Plans:
