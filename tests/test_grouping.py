@@ -135,21 +135,36 @@ def test_decode_batch_size_is_validated(samples: list[tuple[bytes, int]]) -> Non
     assert ThreadLoader(samples, batch_size=4, device="cpu").decode_batch_size == 4
 
 
-def test_random_transforms_on_a_whole_group_match_per_batch() -> None:
-    # A group with no failures is transformed in one call: same crops, flips and pixels as one call per
-    # output batch, within the resampling's rounding (padding differs between the two).
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_a_group_of_regions_is_transformed_at_once_as_per_batch(
+    monkeypatch: pytest.MonkeyPatch, num_threads: int
+) -> None:
+    # A group decoded into one padded tensor is cropped, flipped and resized in one call, then split:
+    # the same order, crops and pixels as one call per output batch (within the resampling's rounding:
+    # the padding differs between the two).
+    from threadloader import _device as device_module
     from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-    sized = [(encode(photo(20 + 3 * (i % 5), 28 + 2 * (i % 4), seed=400 + i), quality=90), i) for i in range(N)]
+    from .test_transforms import RegionDecoder
+
+    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: RegionDecoder())
+    sized = [
+        (encode(photo(20 + 3 * (i % 5), 28 + 2 * (i % 4), seed=400 + i), quality=90), i) for i in range(N)
+    ]
+    calls: list[int] = []
+    transform = [RandomResizedCrop(16), RandomHorizontalFlip()]
+    original = transform[0].apply_many
+    monkeypatch.setattr(
+        transform[0],
+        "apply_many",
+        lambda images, params: calls.append(len(images)) or original(images, params),
+    )
     options = dict(
-        batch_size=4,
-        shuffle=True,
-        seed=9,
-        device="cpu",
-        transform=[RandomResizedCrop(16), RandomHorizontalFlip()],
+        batch_size=4, shuffle=True, seed=9, num_threads=num_threads, device="cpu", transform=transform
     )
     with ThreadLoader(sized, decode_batch_size=12, **options) as grouped:
         grouped_epoch = [(images, targets.tolist()) for images, targets in grouped]
+    assert sorted(calls) == [11, 12]  # one call per group of 3 batches (23 samples)
     with ThreadLoader(sized, decode_batch_size=4, **options) as plain:
         plain_epoch = [(images, targets.tolist()) for images, targets in plain]
     assert [t for _, t in grouped_epoch] == [t for _, t in plain_epoch]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -135,12 +135,13 @@ class BatchProducer:
                     ref = refs[position]
                     error = SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason)
                     failures.setdefault(owner[position], []).append(error)
-            # A group without failures is formatted at once: one chain of kernels for the whole decoder
-            # call, not one per output batch (the transform's host cost is mostly per call).
-            complete = decoded is not None and all(image is not None for image in decoded.images)
+            # A group decoded into one tensor, without failures, is formatted at once: one chain of kernels
+            # for the whole decoder call, not one per output batch (the host cost is mostly per call).
+            # Images of different sizes are formatted per batch: padded to the group's largest, they would
+            # cost memory and no fewer kernels.
             formatted = (
                 self._format(decoded, 0, len(refs), plans)
-                if decoded is not None and complete and not failures and len(batches) > 1
+                if decoded is not None and not failures and len(batches) > 1 and _one_tensor(decoded)
                 else None
             )
             first = 0
@@ -191,7 +192,7 @@ class BatchProducer:
             whole = len(kept) == last - first
             if whole and decoded.stacked is not None:
                 images = decoded.stacked[first:last].permute(0, 3, 1, 2)
-            elif whole and decoded.padded is not None and all(p in decoded.regions for p in kept):
+            elif whole and decoded.padded is not None and _all_regions(decoded, kept):
                 # Regions at the top left of padded rows: what a region-reading first transform takes.
                 images = decoded.padded[first:last].permute(0, 3, 1, 2)
             else:
@@ -242,6 +243,18 @@ class _Plans:
         params = self._transform.sample(size, generator)
         self._drawn[position] = (size, params)
         return params
+
+
+def _one_tensor(decoded: DecodedBatch) -> bool:
+    """Whether every image of a decoded group is a row of its stacked or padded tensor."""
+    if any(image is None for image in decoded.images):
+        return False
+    positions = range(len(decoded.images))
+    return decoded.stacked is not None or (decoded.padded is not None and _all_regions(decoded, positions))
+
+
+def _all_regions(decoded: DecodedBatch, positions: Iterable[int]) -> bool:
+    return all(p in decoded.regions for p in positions)
 
 
 def _log_skip(error: SampleError) -> None:
