@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
+import torch
 
 from threadloader import SampleError, ThreadLoader
+from threadloader import _device as device_module
 from threadloader._sampling import group_batches
+from threadloader.transforms import Images, RandomHorizontalFlip, RandomResizedCrop, Region
 
 from .conftest import encode, mean_abs_diff, photo, pil_reference
+from .test_transforms import RegionDecoder
 
 N = 23
 
@@ -20,6 +25,14 @@ N = 23
 @pytest.fixture(scope="module")
 def samples() -> list[tuple[bytes, int]]:
     return [(encode(photo(24, 32, seed=300 + i), quality=90), i) for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def sized() -> list[tuple[bytes, int]]:
+    """Samples of several sizes (random crops then differ in size too)."""
+    return [
+        (encode(photo(20 + 3 * (i % 5), 28 + 2 * (i % 4), seed=400 + i), quality=90), i) for i in range(N)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -135,39 +148,58 @@ def test_decode_batch_size_is_validated(samples: list[tuple[bytes, int]]) -> Non
     assert ThreadLoader(samples, batch_size=4, device="cpu").decode_batch_size == 4
 
 
+def _region_epoch(
+    monkeypatch: pytest.MonkeyPatch, source: list, *, decode_batch_size: int, num_threads: int
+) -> tuple[list[tuple[torch.Tensor, list[int]]], list[int]]:
+    """An epoch through a fake region decoder (regions in a padded tensor, as on the GPU); also the
+    number of images of each ``RandomResizedCrop.apply_many`` call."""
+    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: RegionDecoder())
+    crop = RandomResizedCrop(16)
+    calls: list[int] = []
+    resample = crop.apply_many
+
+    def counting(images: Images, params: Sequence[Region]) -> Images:
+        calls.append(len(images))
+        return resample(images, params)
+
+    monkeypatch.setattr(crop, "apply_many", counting)
+    options = dict(batch_size=4, shuffle=True, seed=9, num_threads=num_threads, on_error="skip", device="cpu")
+    transform = [crop, RandomHorizontalFlip()]
+    with ThreadLoader(source, decode_batch_size=decode_batch_size, transform=transform, **options) as loader:
+        return [(images, targets.tolist()) for images, targets in loader], calls
+
+
+def _assert_same_epochs(
+    a: list[tuple[torch.Tensor, list[int]]], b: list[tuple[torch.Tensor, list[int]]]
+) -> None:
+    assert [targets for _, targets in a] == [targets for _, targets in b]
+    for (images_a, targets), (images_b, _) in zip(a, b, strict=True):
+        assert images_a.shape == images_b.shape == (len(targets), 3, 16, 16)
+        assert images_a.is_contiguous() and images_a.untyped_storage().nbytes() == images_a.nbytes
+        assert (images_a.int() - images_b.int()).abs().max() <= 1  # rounding: the padding differs
+
+
 @pytest.mark.parametrize("num_threads", [1, 3])
 def test_a_group_of_regions_is_transformed_at_once_as_per_batch(
-    monkeypatch: pytest.MonkeyPatch, num_threads: int
+    monkeypatch: pytest.MonkeyPatch, sized: list[tuple[bytes, int]], num_threads: int
 ) -> None:
-    # A group decoded into one padded tensor is cropped, flipped and resized in one call, then split:
-    # the same order, crops and pixels as one call per output batch (within the resampling's rounding:
-    # the padding differs between the two).
-    from threadloader import _device as device_module
-    from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
+    # Cropped, flipped and resized in one call per group of 3 batches, then split into batches that
+    # own their memory: the same order, crops and pixels as one call per batch.
+    grouped, calls = _region_epoch(monkeypatch, sized, decode_batch_size=12, num_threads=num_threads)
+    assert sorted(calls) == [11, 12]  # 23 samples: groups of 12 and 11
+    plain, calls = _region_epoch(monkeypatch, sized, decode_batch_size=4, num_threads=num_threads)
+    assert sorted(calls) == [3] + [4] * 5
+    _assert_same_epochs(grouped, plain)
 
-    from .test_transforms import RegionDecoder
 
-    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: RegionDecoder())
-    sized = [
-        (encode(photo(20 + 3 * (i % 5), 28 + 2 * (i % 4), seed=400 + i), quality=90), i) for i in range(N)
-    ]
-    calls: list[int] = []
-    transform = [RandomResizedCrop(16), RandomHorizontalFlip()]
-    original = transform[0].apply_many
-    monkeypatch.setattr(
-        transform[0],
-        "apply_many",
-        lambda images, params: calls.append(len(images)) or original(images, params),
-    )
-    options = dict(
-        batch_size=4, shuffle=True, seed=9, num_threads=num_threads, device="cpu", transform=transform
-    )
-    with ThreadLoader(sized, decode_batch_size=12, **options) as grouped:
-        grouped_epoch = [(images, targets.tolist()) for images, targets in grouped]
-    assert sorted(calls) == [11, 12]  # one call per group of 3 batches (23 samples)
-    with ThreadLoader(sized, decode_batch_size=4, **options) as plain:
-        plain_epoch = [(images, targets.tolist()) for images, targets in plain]
-    assert [t for _, t in grouped_epoch] == [t for _, t in plain_epoch]
-    for (grouped_images, _), (plain_images, _) in zip(grouped_epoch, plain_epoch, strict=True):
-        assert grouped_images.shape == plain_images.shape == (len(plain_images), 3, 16, 16)
-        assert (grouped_images.int() - plain_images.int()).abs().max() <= 1
+def test_a_group_with_a_skipped_sample_is_transformed_per_batch(
+    monkeypatch: pytest.MonkeyPatch, sized: list[tuple[bytes, int]]
+) -> None:
+    broken = [*sized[:5], (12345, 5), *sized[6:]]  # not encoded data: a fetch error, skipped
+    grouped, calls = _region_epoch(monkeypatch, broken, decode_batch_size=12, num_threads=2)
+    # With seed 9 the bad sample falls in the second group (batches of 4, 4 and 3): that group is
+    # transformed per batch, its batch with the bad sample has 3; the first group at once.
+    assert sorted(calls) == [3, 3, 4, 12]
+    plain, _ = _region_epoch(monkeypatch, broken, decode_batch_size=4, num_threads=2)
+    _assert_same_epochs(grouped, plain)
+    assert sorted(t for _, targets in grouped for t in targets) == [t for t in range(N) if t != 5]

@@ -1,4 +1,4 @@
-"""What a reader thread does with one batch: fetch, read, decode, format, seal.
+"""What a reader thread does with one group of batches: fetch, read, decode, transform, format, seal.
 
 Shared by every front end (the training loader, the inference service): they differ in where batches
 come from, not in how a batch is made. Everything here runs in a reader thread, on that thread's CUDA
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -87,7 +87,10 @@ class BatchProducer:
         """Makes consecutive batches with one decoder call, on ``reader``'s stream.
 
         Decoding several output batches at once keeps the GPU decoder on large batches (it is faster
-        per image) while the consumer gets the batch size it asked for.
+        per image) while the consumer gets the batch size it asked for. A group of random-crop regions
+        decoded into one padded tensor, with no failed sample, is also transformed and formatted at once
+        (the transforms' host cost is mostly per call, not per image); each batch is then a copy of its
+        rows, so it owns its memory as a batch formatted alone does.
 
         Returns:
             One outcome per batch, in order: the :class:`Batch`; ``None`` when every sample of it was
@@ -135,13 +138,11 @@ class BatchProducer:
                     ref = refs[position]
                     error = SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason)
                     failures.setdefault(owner[position], []).append(error)
-            # A group decoded into one tensor, without failures, is formatted at once: one chain of kernels
-            # for the whole decoder call, not one per output batch (the host cost is mostly per call).
-            # Images of different sizes are formatted per batch: padded to the group's largest, they would
-            # cost memory and no fewer kernels.
+            # Only regions: the crop's resampling bounds the work memory (resample_many works in chunks),
+            # where formatting a group of same-size images would convert all of it to float at once.
             formatted = (
                 self._format(decoded, 0, len(refs), plans)
-                if decoded is not None and not failures and len(batches) > 1 and _one_tensor(decoded)
+                if decoded is not None and not failures and len(batches) > 1 and _only_regions(decoded)
                 else None
             )
             first = 0
@@ -160,18 +161,14 @@ class BatchProducer:
                 for error in errors:
                     self._stats.count("skipped")
                     self._on_skip(error)
-                kept = (
-                    []
-                    if decoded is None
-                    else [p for p in range(first, last) if decoded.images[p] is not None]
-                )
+                kept = [] if decoded is None else _kept(decoded, first, last)
                 if decoded is None or not kept:
                     outcomes.append(None)
                 else:
-                    images = (
-                        formatted[first:last]
-                        if formatted is not None
-                        else self._format(decoded, first, last, plans)
+                    images: Images = (
+                        self._format(decoded, first, last, plans)
+                        if formatted is None
+                        else formatted[first:last].clone()
                     )
                     outcomes.append(
                         Batch(
@@ -186,13 +183,13 @@ class BatchProducer:
 
     def _format(self, decoded: DecodedBatch, first: int, last: int, plans: _Plans | None) -> Images:
         """Transforms and formats the decoded images at positions ``first:last`` (those not failed)."""
-        kept = [p for p in range(first, last) if decoded.images[p] is not None]
+        kept = _kept(decoded, first, last)
         with self._stats.timed("transform"):
             images: Images
             whole = len(kept) == last - first
             if whole and decoded.stacked is not None:
                 images = decoded.stacked[first:last].permute(0, 3, 1, 2)
-            elif whole and decoded.padded is not None and _all_regions(decoded, kept):
+            elif whole and decoded.padded is not None and all(p in decoded.regions for p in kept):
                 # Regions at the top left of padded rows: what a region-reading first transform takes.
                 images = decoded.padded[first:last].permute(0, 3, 1, 2)
             else:
@@ -245,16 +242,16 @@ class _Plans:
         return params
 
 
-def _one_tensor(decoded: DecodedBatch) -> bool:
-    """Whether every image of a decoded group is a row of its stacked or padded tensor."""
-    if any(image is None for image in decoded.images):
-        return False
-    positions = range(len(decoded.images))
-    return decoded.stacked is not None or (decoded.padded is not None and _all_regions(decoded, positions))
+def _kept(decoded: DecodedBatch, first: int, last: int) -> list[int]:
+    """The positions in ``first:last`` that decoded."""
+    return [p for p in range(first, last) if decoded.images[p] is not None]
 
 
-def _all_regions(decoded: DecodedBatch, positions: Iterable[int]) -> bool:
-    return all(p in decoded.regions for p in positions)
+def _only_regions(decoded: DecodedBatch) -> bool:
+    """Whether every image of a decoded group is a region in its padded tensor."""
+    return decoded.padded is not None and all(
+        image is not None and p in decoded.regions for p, image in enumerate(decoded.images)
+    )
 
 
 def _log_skip(error: SampleError) -> None:

@@ -736,5 +736,5 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     if device.type == "cpu":
         return values
-    staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values)
+    staged = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True).copy_(values)
     return staged.to(device, non_blocking=True)

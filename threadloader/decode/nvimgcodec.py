@@ -379,9 +379,9 @@ class NvImageCodecDecoder(ImageDecoder):
             width = max(w for _, w in shapes.values())
             padded = batch.padded = self._output_memory((count, height, width, 3))
             # as_strided: a third of an indexing view's host cost, once per image
-            strides = (width * 3, 3, 1)
+            strides, start = (width * 3, 3, 1), padded.storage_offset()
             return {
-                p: padded.as_strided((h, w, 3), strides, p * height * width * 3)
+                p: padded.as_strided((h, w, 3), strides, start + p * height * width * 3)
                 for p, (h, w) in shapes.items()
             }
         return self._flat_slots(shapes)
