@@ -14,7 +14,7 @@ import torch
 from threadloader import SampleError, ThreadLoader
 from threadloader import _device as device_module
 from threadloader._sampling import group_batches
-from threadloader.transforms import Images, RandomHorizontalFlip, RandomResizedCrop, Region
+from threadloader.transforms import Images, RandomHorizontalFlip, RandomResizedCrop, Region, Transform
 
 from .conftest import encode, mean_abs_diff, photo, pil_reference
 from .test_transforms import RegionDecoder
@@ -203,3 +203,27 @@ def test_a_group_with_a_skipped_sample_is_transformed_per_batch(
     plain, _ = _region_epoch(monkeypatch, broken, decode_batch_size=4, num_threads=2)
     _assert_same_epochs(grouped, plain)
     assert sorted(t for _, targets in grouped for t in targets) == [t for t in range(N) if t != 5]
+
+
+class _SizeUnknown(Transform):
+    """Changes nothing but does not declare its output size, so batches stay lists of images."""
+
+    def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
+        return None
+
+    def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+        return images
+
+
+def test_a_group_formatted_at_once_into_lists_gives_images_of_their_own(
+    monkeypatch: pytest.MonkeyPatch, sized: list[tuple[bytes, int]]
+) -> None:
+    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: RegionDecoder())
+    transform = [RandomResizedCrop(16), _SizeUnknown()]
+    with ThreadLoader(sized, batch_size=4, decode_batch_size=12, transform=transform, device="cpu") as loader:
+        batches = [images for images, _ in loader]
+    assert [len(images) for images in batches] == [4] * 5 + [3]
+    for images in batches:
+        assert isinstance(images, list)
+        for image in images:
+            assert image.shape == (3, 16, 16) and image.untyped_storage().nbytes() == image.nbytes

@@ -165,10 +165,10 @@ class BatchProducer:
                 if decoded is None or not kept:
                     outcomes.append(None)
                 else:
-                    images: Images = (
+                    images = (
                         self._format(decoded, first, last, plans)
                         if formatted is None
-                        else formatted[first:last].clone()
+                        else _own_rows(formatted, first, last)
                     )
                     outcomes.append(
                         Batch(
@@ -245,6 +245,13 @@ class _Plans:
 def _kept(decoded: DecodedBatch, first: int, last: int) -> list[int]:
     """The positions in ``first:last`` that decoded."""
     return [p for p in range(first, last) if decoded.images[p] is not None]
+
+
+def _own_rows(images: Images, first: int, last: int) -> Images:
+    """Rows ``first:last`` of a group's output as a batch with memory of its own."""
+    if isinstance(images, torch.Tensor):
+        return images[first:last].clone()
+    return [image.clone() for image in images[first:last]]
 
 
 def _only_regions(decoded: DecodedBatch) -> bool:
