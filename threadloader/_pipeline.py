@@ -138,8 +138,8 @@ class BatchProducer:
                     ref = refs[position]
                     error = SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason)
                     failures.setdefault(owner[position], []).append(error)
-            # Only regions: the crop's resampling bounds the work memory (resample_many works in chunks),
-            # where formatting a group of same-size images would convert all of it to float at once.
+            # Formatted at once only for regions: the crop's resampling works in chunks of bounded memory,
+            # where a group of same-size images would be converted to float whole.
             formatted = (
                 self._format(decoded, 0, len(refs), plans)
                 if decoded is not None and not failures and len(batches) > 1 and _only_regions(decoded)
