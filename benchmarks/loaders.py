@@ -4,13 +4,14 @@ Every factory is a generator function: the first ``next()`` builds the loader (s
 startup timer covers workers, decoders and preloading alike), later ones yield batches forever
 (epochs are cycled), and ``close()`` on the generator releases the workers. All yield the same
 output: float32 NCHW images in [0, 1] at the set's output size (normalized with ImageNet's mean and
-std in the ``--augment`` rows), int64 targets, on the device.
+std in the ``--augment`` rows and where ``normalize`` is set), int64 targets, on the device.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,9 +26,9 @@ from threadloader.transforms import (
     Compose,
     RandomHorizontalFlip,
     RandomResizedCrop,
-    normalize,
     sample_generator,
 )
+from threadloader.transforms import normalize as normalize_
 
 if TYPE_CHECKING:
     from nvidia import nvimgcodec
@@ -139,7 +140,14 @@ def _pil_augmentation(size: Size) -> Any:
 
 
 def pil_dataloader(
-    files: Files, *, size: Size, batch_size: int, workers: int, device: str, augment: bool = False
+    files: Files,
+    *,
+    size: Size,
+    batch_size: int,
+    workers: int,
+    device: str,
+    augment: bool = False,
+    normalize: bool = False,
 ) -> Iterator[Batch]:
     """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking."""
     loader = DataLoader(
@@ -151,8 +159,8 @@ def pil_dataloader(
     )
     for images, targets in loader:
         floats = images.to(device, non_blocking=True).float().div_(255)
-        if augment:  # the training pipeline normalizes too; here on the GPU, after the copy
-            floats = normalize(floats, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
+        if augment or normalize:  # a training pipeline normalizes; here on the GPU, after the copy
+            floats = normalize_(floats, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
         yield floats, targets.to(device, non_blocking=True)
 
 
@@ -198,11 +206,17 @@ def nv_decode(decoder: nvimgcodec.Decoder, data: Sequence[Any]) -> list[torch.Te
 class NvImgCodecCollate:
     """Decodes a batch of bytes with one lazily created Decoder per (spawned) worker process.
 
-    Lives at module level because spawn pickles it into each worker.
+    Lives at module level because spawn pickles it into each worker. ``augment``: the ``--augment``
+    rows' crop and flip, with threadloader's batched transforms (one resampling for the whole batch,
+    as ThreadLoader runs them), on whole decoded images; ``normalize`` (implied by ``augment``):
+    ImageNet's mean and std.
     """
 
-    def __init__(self, *, size: Size) -> None:
+    def __init__(self, *, size: Size, augment: bool = False, normalize: bool = False) -> None:
         self.size = size
+        self.augment = _augmentation(size) if augment else None
+        self.normalize = augment or normalize
+        self._random = random.Random()
         self._decoder: nvimgcodec.Decoder | None = None
 
     def __call__(self, samples: list[tuple[bytes, int]]) -> Batch:
@@ -210,12 +224,27 @@ class NvImgCodecCollate:
             from nvidia import nvimgcodec as nv
 
             self._decoder = nv.Decoder()
+            self._random.seed()  # each worker its own crops, not the pickled copy's
         data, labels = zip(*samples, strict=True)
-        return to_batch(nv_decode(self._decoder, data), self.size), torch.tensor(labels)
+        images: Sequence[torch.Tensor] = nv_decode(self._decoder, data)
+        if self.augment is not None:
+            params = [self.augment.sample((im.shape[-2], im.shape[-1]), self._random) for im in images]
+            images = self.augment.apply_many(list(images), params)
+        batch = to_batch(images, self.size)
+        if self.normalize:
+            batch = normalize_(batch, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
+        return batch, torch.tensor(labels)
 
 
 def spawn_collate_nvimgcodec(
-    files: Files, *, size: Size, batch_size: int, workers: int, device: str
+    files: Files,
+    *,
+    size: Size,
+    batch_size: int,
+    workers: int,
+    device: str,
+    augment: bool = False,
+    normalize: bool = False,
 ) -> Iterator[Batch]:
     """Spawned workers decode on the GPU; CUDA batches reach this process through CUDA IPC."""
     _require_cuda(device)
@@ -225,7 +254,7 @@ def spawn_collate_nvimgcodec(
         batch_sampler=endless_batches(len(files), batch_size),
         num_workers=workers,
         multiprocessing_context="spawn",
-        collate_fn=NvImgCodecCollate(size=size),
+        collate_fn=NvImgCodecCollate(size=size, augment=augment, normalize=normalize),
     )
     for images, targets in loader:
         yield images, targets.to(device, non_blocking=True)
@@ -313,6 +342,8 @@ def threadloader(
     device: str,
     augment: bool = False,
     region_decode: bool = True,
+    normalize: bool = False,
+    channels_last: bool = False,
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
@@ -329,10 +360,11 @@ def threadloader(
             num_threads=num_threads,
             size=size,
             dtype=torch.float32,
-            mean=IMAGENET_MEAN if augment else None,
-            std=IMAGENET_STD if augment else None,
+            mean=IMAGENET_MEAN if augment or normalize else None,
+            std=IMAGENET_STD if augment or normalize else None,
             device=device,
             transform=_augmentation(size) if augment else None,
+            channels_last=channels_last,
         ) as loader:
             for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
                 yield images, targets.to(device, non_blocking=True)

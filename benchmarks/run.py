@@ -32,6 +32,7 @@ from benchmarks import loaders
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
 from benchmarks.report import Report, Row, markdown, write
+from benchmarks.train_step import make_step
 
 Step = Callable[[Batch], None]
 """What the consumer does with each batch; it must return only once the batch is consumed."""
@@ -214,38 +215,12 @@ def _wait_step(device: str) -> Callable[[int], Step]:
 
 
 def _train_step(device: str, size: tuple[int, int]) -> Callable[[int], Step]:
-    """Training mode: a fresh ResNet-50 (channels_last, bf16 autocast, SGD) per row.
+    """Training mode: a fresh ResNet-50 (channels_last, bf16 autocast, SGD) per row, eager steps.
 
-    One step on random data runs before the row so weights, optimizer state and cuDNN workspaces
-    are in the memory baseline and the row's extra memory is the loader's own.
+    ``make_step`` runs a step on random data before the row, so weights, optimizer state and cuDNN
+    workspaces are in the memory baseline and the row's extra memory is the loader's own.
     """
-
-    def make(batch_size: int) -> Step:
-        models = loaders.import_optional("torchvision.models")
-        torch.manual_seed(0)
-        model = models.resnet50(weights=None).to(device, memory_format=torch.channels_last)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        torch.backends.cudnn.benchmark = True
-
-        def step(batch: Batch) -> None:
-            images, targets = batch
-            with torch.autocast(device_type=device, dtype=torch.bfloat16):
-                logits = model(images.contiguous(memory_format=torch.channels_last))
-                loss = torch.nn.functional.cross_entropy(logits, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            _sync(device)
-
-        step(
-            (
-                torch.rand(batch_size, 3, *size, device=device),
-                torch.zeros(batch_size, dtype=torch.long, device=device),
-            )
-        )
-        return step
-
-    return make
+    return lambda batch_size: make_step(device=device, batch_size=batch_size, size=size)
 
 
 def cases(args: argparse.Namespace, root: Path) -> list[Case]:

@@ -6,6 +6,11 @@ makes its current stream wait on that event (a device-side wait: the host does n
 every tensor it receives. ``record_stream`` is what keeps the caching allocator from handing the
 tensor's memory back to the reader stream while the consumer's kernels that read it are still queued.
 On the CPU all of this is a no-op.
+
+Reader streams have the highest priority the device offers: the training loop's kernels fill the GPU,
+and at the default priority the loader's decode and transform kernels queue behind them, so the next
+batch is late. A higher-priority stream's blocks are scheduled first as SMs free up; it does not
+preempt running kernels.
 """
 
 from __future__ import annotations
@@ -18,13 +23,20 @@ import torch
 
 __all__ = ["ReaderStream", "Ready"]
 
+_HIGH_PRIORITY = True
+"""Reader streams at the device's highest priority; benchmarks turn it off to measure what it changes."""
+
 
 class ReaderStream:
     """A reader thread's dedicated CUDA stream on the loader's device (nothing on the CPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            # (least, greatest): a lower number is a higher priority; torch clamps to what it supports.
+            priority = torch.cuda.Stream.priority_range()[1] if _HIGH_PRIORITY else 0
+            self.stream = torch.cuda.Stream(device, priority=priority)
 
     @contextmanager
     def active(self) -> Iterator[torch.cuda.Stream | None]:

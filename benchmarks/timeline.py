@@ -1,0 +1,179 @@
+"""What a torch.profiler trace says about loader and training kernels sharing the GPU.
+
+Reads the chrome trace that ``torch.profiler`` exports (``prof.export_chrome_trace``): GPU activity
+(``kernel``, ``gpu_memcpy``, ``gpu_memset``) carries its CUDA stream and a correlation id, and the
+host call that queued it (``cuda_runtime``/``cuda_driver``) carries the same id and the launching
+thread. A stream whose work was mostly queued by the training loop's thread is a training stream;
+every other stream (reader threads, nvImageCodec's own) is a loader stream.
+
+CLI: ``python -m benchmarks.timeline TRACE.json --main-tid TID``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+Interval = tuple[float, float]
+
+
+@dataclass
+class StreamUse:
+    """One CUDA stream's activity in the trace (times in microseconds)."""
+
+    stream: int
+    role: str = "loader"  # "training" | "loader"
+    kernels: int = 0
+    busy_us: float = 0.0
+    intervals: list[Interval] = field(default_factory=list)
+    queued_us: list[float] = field(default_factory=list)  # GPU start - host launch, per matched item
+
+
+@dataclass
+class Summary:
+    """The loader's GPU work against the training loop's in one profiled window."""
+
+    streams: list[StreamUse]
+    span_us: float
+    busy_us: dict[str, float]  # role -> time with at least one item of that role running (union)
+    overlap_us: float  # time with loader and training work both running
+    queued_us: dict[str, list[float]]  # role -> launch-to-start delays
+
+    def text(self) -> str:
+        """A short report: per stream, then overlap and queueing per role."""
+        lines = [f"GPU timeline over {self.span_us / 1000:.1f} ms of profiled steps"]
+        lines.append("| stream | role | kernels+copies | busy ms | queued median us | queued p90 us |")
+        lines.append("|---|---|---|---|---|---|")
+        for s in sorted(self.streams, key=lambda s: -s.busy_us):
+            median, p90 = _quantiles(s.queued_us)
+            lines.append(
+                f"| {s.stream} | {s.role} | {s.kernels} | {s.busy_us / 1000:.2f} | {median} | {p90} |"
+            )
+        loader, training = self.busy_us.get("loader", 0.0), self.busy_us.get("training", 0.0)
+        share = f"{self.overlap_us / loader:.0%}" if loader else "—"
+        lines += [
+            "",
+            f"training busy {training / 1000:.2f} ms, loader busy {loader / 1000:.2f} ms, both running "
+            f"{self.overlap_us / 1000:.2f} ms ({share} of the loader's busy time)",
+        ]
+        for role in ("loader", "training"):
+            delays = self.queued_us.get(role, [])
+            median, p90 = _quantiles(delays)
+            worst = f"{max(delays):,.0f}" if delays else "—"
+            lines.append(
+                f"{role}: queued before starting, median {median} us, p90 {p90} us, max {worst} us "
+                f"({len(delays)} launches matched)"
+            )
+        return "\n".join(lines)
+
+
+def _quantiles(values: Sequence[float]) -> tuple[str, str]:
+    if not values:
+        return "—", "—"
+    ordered = sorted(values)
+    return f"{statistics.median(ordered):,.0f}", f"{ordered[int(0.9 * (len(ordered) - 1))]:,.0f}"
+
+
+def union_length(intervals: Iterable[Interval]) -> float:
+    """Total length covered by the intervals, overlaps counted once."""
+    return sum(end - start for start, end in merge(intervals))
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same points."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
+    """Length of the time covered by both sets of intervals."""
+    first, second = merge(a), merge(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(first) and j < len(second):
+        start, end = max(first[i][0], second[j][0]), min(first[i][1], second[j][1])
+        total += max(0.0, end - start)
+        if first[i][1] < second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events: Sequence[dict[str, Any]], *, main_tid: int) -> Summary:
+    """Per-stream use, overlap and queueing of the GPU items in a chrome trace's ``traceEvents``.
+
+    Args:
+        events: The trace's events.
+        main_tid: Native id of the training loop's thread (``threading.get_native_id()``).
+    """
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    streams: dict[int, StreamUse] = {}
+    by_main: Counter[int] = Counter()
+    matched: Counter[int] = Counter()
+    for e in events:
+        if e.get("cat") not in GPU_CATEGORIES or "stream" not in e.get("args", {}):
+            continue
+        stream = int(e["args"]["stream"])
+        use = streams.setdefault(stream, StreamUse(stream))
+        start, duration = float(e["ts"]), float(e.get("dur", 0.0))
+        use.kernels += 1
+        use.intervals.append((start, start + duration))
+        launch = launches.get(e["args"].get("correlation"))
+        if launch is not None:
+            matched[stream] += 1
+            by_main[stream] += launch.get("tid") == main_tid
+            use.queued_us.append(max(0.0, start - float(launch["ts"])))
+    spans: list[Interval] = []
+    by_role: dict[str, list[Interval]] = defaultdict(list)
+    queued: dict[str, list[float]] = defaultdict(list)
+    for stream, use in streams.items():
+        use.role = "training" if matched[stream] and by_main[stream] * 2 > matched[stream] else "loader"
+        use.busy_us = union_length(use.intervals)
+        by_role[use.role] += use.intervals
+        queued[use.role] += use.queued_us
+        spans += use.intervals
+    span = max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
+    return Summary(
+        streams=list(streams.values()),
+        span_us=span,
+        busy_us={role: union_length(intervals) for role, intervals in by_role.items()},
+        overlap_us=intersection_length(by_role["loader"], by_role["training"]),
+        queued_us=dict(queued),
+    )
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """The ``traceEvents`` of a chrome trace file."""
+    data = json.loads(Path(path).read_text())
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the summary of a trace file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--main-tid", type=int, required=True, help="native id of the training thread")
+    args = parser.parse_args(argv)
+    print(summarize(read_trace(args.trace), main_tid=args.main_tid).text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""A training loop fed by each loader, against the same step on a fixed input tensor.
+
+Usage: ``python -m benchmarks.training [--quick] [--device cpu] [--out DIR] [--timeline] ...``
+
+Rows: for each step kind (``eager``; ``graphed``: the whole step one CUDA graph, see
+``benchmarks.train_step``), the step on one fixed input tensor (the ceiling), then for each pipeline
+(``resize``: the varied set resized to 224x224; ``augment``: RandomResizedCrop(224) + flip), each
+loader: ThreadLoader, nvImageCodec in spawned DataLoader workers with a collate, Pillow in forked
+DataLoader workers. Every pipeline delivers float32 normalized with ImageNet's mean and std.
+
+Each row runs in a process of its own (decoder caches, CUDA contexts and worker pools do not carry
+over): it builds the model and the step, takes ``--warmup`` steps, then ``--windows`` timed windows of
+``--steps`` steps each and reports the median window with the min-max. ``data wait`` is the share of a
+window spent blocked on ``next()``. ``extra GPU MB`` is what the loader adds on top of the training
+step: ``torch peak`` is torch's peak allocated memory above the step's own peak, ``device`` the
+device-wide used memory (worker processes' contexts and nvImageCodec included), sampled, above the
+level before the loader started.
+
+``--timeline`` instead profiles one ThreadLoader row with torch.profiler, writes the chrome trace and
+prints where the loader's kernels ran against the training kernels (``benchmarks.timeline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import loaders, timeline
+from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
+from benchmarks.loaders import Batch, SkipRow
+from benchmarks.run import DeviceMemory, _release, _take, hardware
+from benchmarks.train_step import KINDS, Step, make_step, model_name
+
+PIPELINES = ("resize", "augment")
+LOADERS = ("fixed_input", "threadloader", "spawn_collate_nvimgcodec", "pil_dataloader")
+PRIORITIES = ("high", "default")
+SET = "varied"
+
+_DEFAULTS = {  # option: (full run, --quick)
+    "count": (1000, 32),
+    "batch_size": (64, 8),
+    "workers": (8, 2),
+    "warmup": (10, 1),
+    "steps": (20, 2),
+    "windows": (3, 3),
+    "row_timeout": (150.0, 120.0),
+}
+
+
+@dataclass
+class RowSpec:
+    """What one row measures; the parent passes it to the row's process as JSON."""
+
+    kind: str
+    loader: str
+    pipeline: str = "-"  # "-" for the fixed input, which has no pipeline
+    priority: str = "high"  # ThreadLoader's reader streams: "high" (the library's) or "default"
+
+    @property
+    def name(self) -> str:
+        suffix = ", default stream priority" if self.priority == "default" else ""
+        return f"{self.loader}{suffix}"
+
+
+@dataclass
+class TrainingRow:
+    """One measured (or skipped) row."""
+
+    spec: RowSpec
+    status: str = "ok"  # "ok" | "skipped" | "failed"
+    reason: str = ""
+    batch_size: int = 0
+    images_per_s: list[float] = field(default_factory=list)  # one per timed window
+    ms_per_step: list[float] = field(default_factory=list)
+    data_wait_frac: list[float] = field(default_factory=list)
+    startup_s: float | None = None
+    extra_torch_peak_mb: float | None = None
+    extra_device_mb: float | None = None
+    row_s: float | None = None  # the row's process, start to end
+
+    def median(self, values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainingRow:
+        names = {f.name for f in fields(cls)}
+        row = cls(**{k: v for k, v in data.items() if k in names})
+        row.spec = RowSpec(**data["spec"])
+        return row
+
+
+# --- one row, in its own process -------------------------------------------------------------------
+
+
+def fixed_input(*, size: tuple[int, int], batch_size: int, device: str) -> Generator[Batch, None, None]:
+    """The same batch forever, on the device and channels_last: the step with no loader (the ceiling)."""
+    images = torch.rand(batch_size, 3, *size, device=device).contiguous(memory_format=torch.channels_last)
+    targets = torch.randint(0, 10, (batch_size,), device=device)
+    while True:
+        yield images, targets
+
+
+def _loader(spec: RowSpec, args: argparse.Namespace) -> Generator[Batch, None, None]:
+    """The row's batch generator (not started: its first ``next()`` builds the loader)."""
+    size, device, b = OUTPUT_SIZE[SET], args.device, args.batch_size
+    if spec.loader == "fixed_input":
+        return fixed_input(size=size, batch_size=b, device=device)
+    pipeline = {"augment": spec.pipeline == "augment", "normalize": True}
+    if spec.loader == "threadloader":
+        return loaders.threadloader(  # type: ignore[return-value]
+            args.root,
+            size=size,
+            batch_size=b,
+            num_threads=None,
+            device=device,
+            channels_last=True,
+            **pipeline,
+        )
+    files = list_images(args.root)
+    factory = loaders.spawn_collate_nvimgcodec if spec.loader.startswith("spawn") else loaders.pil_dataloader
+    return factory(  # type: ignore[return-value]
+        files, size=size, batch_size=b, workers=args.workers, device=device, **pipeline
+    )
+
+
+def _progress(message: str) -> None:
+    print(f"    {message}", file=sys.stderr, flush=True)
+
+
+def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
+    """Runs one row in this process; never raises for a skipped or failing loader."""
+    from threadloader import _handoff  # the benchmark's switch; the library has no option for it
+
+    _handoff._HIGH_PRIORITY = spec.priority == "high"
+    row, device, size = TrainingRow(spec, batch_size=args.batch_size), args.device, OUTPUT_SIZE[SET]
+    stream: Generator[Batch, None, None] | None = None
+    memory = DeviceMemory(device)
+    try:
+        step = make_step(device=device, batch_size=args.batch_size, size=size, kind=spec.kind)
+        # Baseline: one more step on its own input, its peak the training's own.
+        baseline = next(fixed_input(size=size, batch_size=args.batch_size, device=device))
+        _release(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        step(baseline)
+        step_peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        memory.start()
+        stream = _loader(spec, args)
+        started = time.perf_counter()
+        step(next(stream))
+        row.startup_s = time.perf_counter() - started
+        _take(stream, step, args.warmup)
+        _progress(f"started in {row.startup_s:.1f} s, warmed up")
+        if args.profile:
+            _profile(row, stream, step, args)
+        else:
+            for window in range(args.windows):
+                _window(row, stream, step, args.steps)
+                _progress(f"window {window + 1}: {row.images_per_s[-1]:,.0f} img/s")
+        row.extra_device_mb = memory.stop()
+        if device == "cuda":
+            row.extra_torch_peak_mb = (torch.cuda.max_memory_allocated() - step_peak) / 2**20
+    except SkipRow as e:
+        row.status, row.reason = "skipped", str(e)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        row.status, row.reason = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    finally:
+        memory.stop()
+        if stream is not None:
+            stream.close()
+    return row
+
+
+def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int) -> None:
+    started = time.perf_counter()
+    images, waited = _take(stream, step, steps)
+    wall = time.perf_counter() - started
+    row.images_per_s.append(images / wall)
+    row.ms_per_step.append(1000 * wall / steps)
+    row.data_wait_frac.append(waited / wall)
+
+
+def _profile(row: TrainingRow, stream: Iterator[Batch], step: Step, args: argparse.Namespace) -> None:
+    """Profiles a window; writes the chrome trace and the timeline summary into ``--out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _window(row, stream, step, args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace = args.out / f"timeline-{args.profile}.json"
+    prof.export_chrome_trace(str(trace))
+    summary = timeline.summarize(timeline.read_trace(trace), main_tid=threading.get_native_id())
+    text = summary.text()
+    (args.out / f"timeline-{args.profile}.md").write_text(text + "\n")
+    print(text, file=sys.stderr, flush=True)
+    _progress(f"wrote {trace}")
+
+
+# --- the parent: one process per row, then the report ---------------------------------------------
+
+
+def plan(args: argparse.Namespace) -> list[RowSpec]:
+    """The rows, grouped by step kind, the fixed-input ceiling first in each group."""
+    specs = []
+    for kind in args.kinds:
+        if "fixed_input" in args.loaders:
+            specs.append(RowSpec(kind, "fixed_input"))
+        for pipeline in args.pipelines:
+            for loader in args.loaders:
+                if loader == "fixed_input":
+                    continue
+                specs.append(RowSpec(kind, loader, pipeline))
+                if loader == "threadloader" and args.priority == "both":
+                    specs.append(RowSpec(kind, loader, pipeline, priority="default"))
+    if args.priority == "default":
+        specs = [
+            RowSpec(s.kind, s.loader, s.pipeline, "default") if s.loader == "threadloader" else s
+            for s in specs
+        ]
+    return specs
+
+
+def _skip_reason(spec: RowSpec, device: str) -> str | None:
+    """Rows that cannot run here, decided without starting a process for them."""
+    if device != "cuda" and spec.kind == "graphed":
+        return "CUDA graphs need a CUDA device"
+    if device != "cuda" and spec.loader == "spawn_collate_nvimgcodec":
+        return "needs a CUDA device"
+    return None
+
+
+def run_row(spec: RowSpec, args: argparse.Namespace, argv: Sequence[str]) -> TrainingRow:
+    """Runs one row in a child process (this module with ``--row``) and reads its result."""
+    reason = _skip_reason(spec, args.device)
+    if reason is not None:
+        return TrainingRow(spec, status="skipped", reason=reason, batch_size=args.batch_size)
+    command = [sys.executable, "-m", "benchmarks.training", *argv, "--row", json.dumps(asdict(spec))]
+    started = time.perf_counter()
+    # stderr passes through: the row's progress and any traceback appear as they happen. A session of
+    # its own, so a row that hangs is stopped with its DataLoader workers.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True) as child:
+        try:
+            out, _ = child.communicate(timeout=args.row_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            out = ""
+    lines = out.strip().splitlines()
+    if child.returncode == 0 and lines:
+        row = TrainingRow.from_json(json.loads(lines[-1]))
+    elif out == "" and child.returncode == -signal.SIGKILL:
+        row = TrainingRow(spec, status="failed", reason=f"stopped after {args.row_timeout:.0f} s")
+    else:
+        row = TrainingRow(spec, status="failed", reason=f"row process exited with {child.returncode}")
+    row.row_s = time.perf_counter() - started
+    return row
+
+
+def ratio(row: TrainingRow, rows: Sequence[TrainingRow]) -> float | None:
+    """Median throughput over the fixed-input step's of the same kind."""
+    base = next((r for r in rows if r.spec.loader == "fixed_input" and r.spec.kind == row.spec.kind), None)
+    ours, theirs = row.median(row.images_per_s), base.median(base.images_per_s) if base else None
+    return ours / theirs if ours is not None and theirs else None
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _model_label(device: str) -> str:
+    try:
+        return model_name(device)
+    except SkipRow as e:
+        return f"none ({e})"
+
+
+def markdown(rows: Sequence[TrainingRow], config: dict[str, object], info: dict[str, object]) -> str:
+    """The report: hardware and config lines, then one table row per measured row."""
+    header = [
+        "step",
+        "pipeline",
+        "loader",
+        "img/s (median)",
+        "min-max",
+        "ms/step",
+        "vs fixed input",
+        "data wait",
+        "extra GPU MB (torch peak)",
+        "extra GPU MB (device)",
+        "startup s",
+        "note",
+    ]
+    lines = [
+        "Hardware: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        "",
+        "Config: " + ", ".join(f"{k}={v}" for k, v in config.items()),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in rows:
+        speeds = row.images_per_s
+        spread = f"{min(speeds):,.0f}-{max(speeds):,.0f}" if speeds else "—"
+        share = row.median(row.data_wait_frac)
+        relative = ratio(row, rows)
+        cells = [
+            row.spec.kind,
+            row.spec.pipeline,
+            row.spec.name,
+            _num(row.median(speeds), ",.0f"),
+            spread,
+            _num(row.median(row.ms_per_step), ".1f"),
+            _num(relative, ".2f") + ("x" if relative is not None else ""),
+            _num(None if share is None else 100 * share, ".0f") + ("%" if share is not None else ""),
+            _num(row.extra_torch_peak_mb, ",.0f"),
+            _num(row.extra_device_mb, ",.0f"),
+            _num(row.startup_s, ".1f"),
+            "" if row.status == "ok" else f"{row.status}: {row.reason}".replace("|", "/"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: Sequence[TrainingRow], path: Path, title: str) -> None:
+    """One panel per step kind: median img/s per row with its min-max, the fixed input as a line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    kinds = [k for k in KINDS if any(r.spec.kind == k and r.status == "ok" for r in rows)] or ["eager"]
+    most = max(sum(r.spec.kind == k for r in rows) for k in kinds)
+    fig = Figure(figsize=(7 * len(kinds), 1.5 + 0.4 * most), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    for ax, kind in zip(axes, kinds, strict=True):
+        ok = [r for r in rows if r.spec.kind == kind and r.status == "ok" and r.spec.loader != "fixed_input"]
+        medians = [r.median(r.images_per_s) or 0.0 for r in ok]
+        errors = [
+            [m - min(r.images_per_s) for m, r in zip(medians, ok, strict=True)],
+            [max(r.images_per_s) - m for m, r in zip(medians, ok, strict=True)],
+        ]
+        colors = ["tab:blue" if r.spec.pipeline == "resize" else "tab:green" for r in ok]
+        bars = ax.barh([f"{r.spec.pipeline}: {r.spec.name}" for r in ok], medians, xerr=errors, color=colors)
+        ax.bar_label(bars, fmt="{:,.0f}", padding=3, fontsize=8)
+        ceiling = next((r for r in rows if r.spec.kind == kind and r.spec.loader == "fixed_input"), None)
+        if ceiling is not None and ceiling.images_per_s:
+            value = ceiling.median(ceiling.images_per_s) or 0.0
+            ax.axvline(value, color="black", linestyle="--", label=f"fixed input {value:,.0f}")
+            ax.axvline(0.95 * value, color="gray", linestyle=":", label="0.95x fixed input")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(f"{kind} step: images/s (median, min-max)")
+        ax.invert_yaxis()
+        ax.margins(x=0.15)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse options; unset sizes take the full-run or ``--quick`` default."""
+
+    def names(choices: Sequence[str]) -> Any:
+        def parse(text: str) -> list[str]:
+            chosen = [x for x in text.split(",") if x]
+            unknown = set(chosen) - set(choices)
+            if unknown or not chosen:
+                raise argparse.ArgumentTypeError(f"got {text!r}; choose from {', '.join(choices)}")
+            return chosen
+
+        return parse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.splitlines()[0])
+    p.add_argument("--count", type=int, help="images in the varied set (default 1000)")
+    p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
+    p.add_argument("--batch-size", type=int, help="default 64")
+    p.add_argument("--workers", type=int, help="DataLoader workers (default 8)")
+    p.add_argument("--warmup", type=int, help="steps before timing, the first included (default 10)")
+    p.add_argument("--steps", type=int, help="steps per timed window (default 20)")
+    p.add_argument("--windows", type=int, help="timed windows per row; the median is reported (default 3)")
+    p.add_argument("--kinds", type=names(KINDS), default=list(KINDS), help="eager,graphed")
+    p.add_argument("--pipelines", type=names(PIPELINES), default=list(PIPELINES), help="resize,augment")
+    p.add_argument("--loaders", type=names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
+    p.add_argument(
+        "--priority",
+        choices=(*PRIORITIES, "both"),
+        default="high",
+        help="ThreadLoader's reader stream priority; both: a row for each",
+    )
+    p.add_argument("--row-timeout", type=float, help="seconds before a row's process is stopped")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--out", type=Path, help="write training.md, training.json and training.png here")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="profile the ThreadLoader row of the first --kinds and --pipelines with torch.profiler",
+    )
+    p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print it as JSON
+    p.add_argument("--profile", help=argparse.SUPPRESS)  # internal: profile the row, name its files
+    args = p.parse_args(argv)
+    for name, (full, quick) in _DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if min(args.steps, args.windows) < 1 or args.warmup < 0:
+        p.error(
+            f"need --steps and --windows >= 1 and --warmup >= 0, got {args.steps}, {args.windows}, "
+            f"{args.warmup}"
+        )
+    if args.timeline and args.out is None:
+        p.error("--timeline writes a chrome trace: give --out DIR")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
+    """Measure every selected row in its own process; print and write the report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.root = ensure_dataset(SET, count=args.count, root=args.data_root)
+    if args.row is not None:  # a row's own process
+        row = measure(RowSpec(**json.loads(args.row)), args)
+        print(json.dumps(asdict(row)))
+        return [row]
+    for path, _ in list_images(args.root):  # warm the page cache once for every row
+        path.read_bytes()
+    if args.timeline:
+        spec = RowSpec(
+            args.kinds[0], "threadloader", args.pipelines[0], args.priority.replace("both", "high")
+        )
+        name = f"{spec.kind}-{spec.pipeline}-{spec.priority}"
+        print(f"timeline: {spec.kind} step, {spec.pipeline}, {spec.name}", file=sys.stderr, flush=True)
+        return [run_row(spec, args, [*argv, "--profile", name])]
+    specs, rows, started = plan(args), [], time.perf_counter()
+    for i, spec in enumerate(specs, 1):
+        elapsed = time.perf_counter() - started
+        print(
+            f"[{i}/{len(specs)}, {elapsed:.0f} s] {spec.kind} {spec.pipeline} {spec.name} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        row = run_row(spec, args, argv)
+        rows.append(row)
+        median = row.median(row.images_per_s)
+        done = f"{median:,.0f} img/s" if median is not None else f"{row.status}: {row.reason}"
+        print(f"    {done} ({row.row_s or 0:.0f} s)", file=sys.stderr, flush=True)
+    config: dict[str, object] = {
+        "set": SET,
+        "count": args.count,
+        "batch_size": args.batch_size,
+        "model": _model_label(args.device),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "windows": args.windows,
+        "workers": args.workers,
+        "device": args.device,
+        "wall_s": round(time.perf_counter() - started),
+    }
+    info = hardware(args.device)
+    text = markdown(rows, config, info)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "training.md").write_text(text)
+        dump = {
+            "hardware": info,
+            "config": config,
+            "rows": [asdict(r) | {"ratio": ratio(r, rows)} for r in rows],
+        }
+        (args.out / "training.json").write_text(json.dumps(dump, indent=2) + "\n")
+        chart(
+            rows,
+            args.out / "training.png",
+            f"{config['model']} b{args.batch_size} on {info.get('gpu', 'cpu')}",
+        )
+        print(f"wrote {args.out}/training.md, .json, .png", file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
