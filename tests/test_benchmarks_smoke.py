@@ -63,3 +63,67 @@ def test_stage_profile_runs_and_reports_each_stage(tmp_path: Path) -> None:
         "augment=True region=False threads=default",
     ]
     assert all("img/s" in line and "'transform'" in line for line in lines)
+
+
+def _bench(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=os.environ | {"THREADLOADER_BENCH_CACHE": str(tmp_path / "data"), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_training_benchmark_reports_each_row_against_the_fixed_input(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["--quick", "--device", "cpu", "--pipelines", "resize", "--loaders", "fixed_input,threadloader"]
+    result = _bench("benchmarks.training", [*args, "--out", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert {p.name for p in out.iterdir()} >= {"training.md", "training.json", "training.png"}
+    rows = json.loads((out / "training.json").read_text())["rows"]
+    by = {(r["spec"]["kind"], r["spec"]["loader"]): r for r in rows}
+    assert set(by) == {
+        (k, loader) for k in ("eager", "graphed") for loader in ("fixed_input", "threadloader")
+    }
+    fixed, loaded = by["eager", "fixed_input"], by["eager", "threadloader"]
+    for row in (fixed, loaded):
+        assert row["status"] == "ok", row
+        assert len(row["images_per_s"]) == 3 and min(row["images_per_s"]) > 0, row
+    assert fixed["ratio"] == 1.0
+    # Each row's ratio is its own median throughput over the fixed input's, recomputed here.
+    expected = sorted(loaded["images_per_s"])[1] / sorted(fixed["images_per_s"])[1]
+    assert loaded["ratio"] == pytest.approx(expected)
+    assert by["graphed", "threadloader"]["status"] == "skipped"
+    assert "| eager | resize | threadloader |" in (out / "training.md").read_text()
+
+
+def test_gil_benchmark_measures_the_loop_beside_each_load(tmp_path: Path) -> None:
+    args = [
+        "--quick",
+        "--device",
+        "cpu",
+        "--switch-intervals",
+        "0.005",
+        "--backgrounds",
+        "threadloader,decode",
+    ]
+    result = _bench("benchmarks.gil", [*args, "--seconds", "1", "--out", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads((tmp_path / "out" / "gil.json").read_text())["rows"]
+    assert [(r["background"], r["ops"]) for r in rows] == [("threadloader", "cpu"), ("decode", "cpu")]
+    for row in rows:
+        assert row["op_us_alone"] > 0 and row["op_us_beside"] > 0, row
+        assert row["images_per_s_alone"] > 0, row
+
+
+def test_training_timeline_writes_a_trace(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = _bench(
+        "benchmarks.training", ["--quick", "--device", "cpu", "--timeline", "--out", str(out)], tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    trace = json.loads((out / "timeline-eager-resize-high.json").read_text())
+    assert any(e.get("cat") == "cpu_op" for e in trace["traceEvents"])
+    assert (out / "timeline-eager-resize-high.md").read_text().startswith("GPU timeline")

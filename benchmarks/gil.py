@@ -1,0 +1,324 @@
+"""What a loader running beside it costs a main thread that keeps releasing and re-taking the GIL.
+
+Usage: ``python -m benchmarks.gil [--quick] [--device cpu] [--out DIR] [--switch-intervals 0.005,0.0001]``
+
+A training step in eager mode gives the GIL up around every torch op (about a thousand per ResNet-50
+step) and must win it back each time from whichever thread holds it. This measures that cost with a
+stand-in for the step: a main-thread loop of tiny torch ops (``x.add_(1)`` on a small CPU tensor, or
+on a CUDA tensor: a kernel launch each), timed alone and then while a background load runs at full
+speed beside it:
+
+- ``threadloader``: a ThreadLoader over the varied set (resize to 224x224, float normalized, the
+  training benchmark's pipeline), consumed by a background thread;
+- ``decode``: a thread doing nothing but decoding in-memory bytes (nvImageCodec ``Decoder.decode()``
+  in batches of 64 on a GPU; Pillow image by image on the CPU);
+- ``spin``: a pure-Python loop, the worst case, for reference (it loads no images).
+
+Reported per load: the loop's time per op alone and beside it, the load's images/s alone and beside
+the loop, and the main thread's delay per image loaded: (loop time beside the load - the same ops'
+time alone) / images loaded meanwhile. Each is measured at every ``--switch-intervals`` value
+(``sys.setswitchinterval``: how long a thread that wants the GIL waits before the holder is asked
+to drop it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from benchmarks import loaders
+from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
+
+SET = "varied"
+BACKGROUNDS = ("threadloader", "decode", "spin")
+OPS = ("cpu", "cuda")
+_CHUNK = 10  # ops between clock reads: a spinning neighbour makes each op wait a switch interval
+_START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class GilRow:
+    """One (switch interval, background load, op kind) measurement."""
+
+    switch_interval_ms: float
+    background: str
+    ops: str
+    op_us_alone: float
+    op_us_beside: float
+    images_per_s_alone: float | None  # the load with the main thread idle
+    images_per_s_beside: float | None  # the load while the loop runs
+    delay_us_per_image: float | None  # main-thread delay per image loaded meanwhile
+
+    @property
+    def slowdown(self) -> float:
+        return self.op_us_beside / self.op_us_alone
+
+
+class Background:
+    """A load in a thread of its own, counting the images it has loaded until stopped."""
+
+    def __init__(self, work: Callable[[threading.Event, Background], None]) -> None:
+        self.images = 0  # written by the load's thread only
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(work,), name="gil-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[threading.Event, Background], None]) -> None:
+        try:
+            work(self._stop, self)
+        except BaseException as e:  # reported by wait_started/stop in the main thread
+            self.error = e
+
+    def wait_started(self, *, counts_images: bool) -> None:
+        """Returns once the load has produced something (its start-up is not measured)."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while counts_images and self.images == 0 and self.error is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the background load loaded nothing in {_START_TIMEOUT_S:.0f} s")
+            self._stop.wait(0.05)
+        if self.error is not None:
+            raise RuntimeError("the background load failed") from self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=_START_TIMEOUT_S)
+        if self.error is not None:
+            raise RuntimeError("the background load failed") from self.error
+
+
+def _spin(stop: threading.Event, _: Background) -> None:
+    while not stop.is_set():
+        pass
+
+
+def _decode(blobs: list[bytes], device: str) -> Callable[[threading.Event, Background], None]:
+    """Decoding in-memory bytes and nothing else, as a reader's decoder call would."""
+
+    def on_gpu(stop: threading.Event, counter: Background) -> None:
+        nv = loaders.import_optional("nvidia.nvimgcodec")
+        decoder = nv.Decoder()
+        params = nv.DecodeParams(color_spec=nv.SRGB, sample_format=nv.I_RGB)
+        stream = torch.cuda.Stream()
+        while not stop.is_set():
+            for start in range(0, len(blobs), 64):
+                batch = [nv.CodeStream(data) for data in blobs[start : start + 64]]
+                decoder.decode(batch, params=params, cuda_stream=stream.cuda_stream)
+                stream.synchronize()  # one wait a batch, so the queue stays short
+                counter.images += len(batch)
+
+    def on_cpu(stop: threading.Event, counter: Background) -> None:
+        while not stop.is_set():
+            for data in blobs:
+                with Image.open(io.BytesIO(data)) as image:
+                    image.convert("RGB")
+                counter.images += 1
+
+    return on_gpu if device == "cuda" else on_cpu
+
+
+def _threadloader(root: Path, device: str, batch_size: int) -> Callable[[threading.Event, Background], None]:
+    def run(stop: threading.Event, counter: Background) -> None:
+        stream = loaders.threadloader(
+            root,
+            size=OUTPUT_SIZE[SET],
+            batch_size=batch_size,
+            num_threads=None,
+            device=device,
+            normalize=True,
+            channels_last=True,
+        )
+        try:
+            for images, _ in stream:
+                counter.images += images.shape[0]
+                if stop.is_set():
+                    break
+        finally:
+            stream.close()
+
+    return run
+
+
+def op_loop(ops: str, seconds: float) -> tuple[int, float]:
+    """Runs tiny torch ops for about ``seconds``; returns how many and the wall seconds taken."""
+    x = torch.zeros(4, device="cuda" if ops == "cuda" else "cpu")
+    count, started = 0, time.perf_counter()
+    deadline = started + seconds
+    while True:
+        for _ in range(_CHUNK):
+            x.add_(1)
+        count += _CHUNK
+        if time.perf_counter() >= deadline:
+            break
+    if ops == "cuda":
+        torch.cuda.synchronize()
+    return count, time.perf_counter() - started
+
+
+def _op_us_alone(ops: str, seconds: float) -> float:
+    """Median of three runs of the loop alone, in microseconds per op."""
+    runs = []
+    for _ in range(3):
+        count, wall = op_loop(ops, seconds / 3)
+        runs.append(1e6 * wall / count)
+    return sorted(runs)[1]
+
+
+def measure(args: argparse.Namespace) -> list[GilRow]:
+    """Every (interval, background, ops) row; the switch interval is restored afterwards."""
+    files = list_images(args.root)
+    blobs = [path.read_bytes() for path, _ in files]
+    loads = {
+        "threadloader": _threadloader(args.root, args.device, args.batch_size),
+        "decode": _decode(blobs, args.device),
+        "spin": _spin,
+    }
+    previous, rows = sys.getswitchinterval(), []
+    try:
+        for interval in args.switch_intervals:
+            sys.setswitchinterval(interval)
+            alone = {ops: _op_us_alone(ops, args.seconds) for ops in args.ops}
+            for name in args.backgrounds:
+                counts = name != "spin"
+                load = Background(loads[name])
+                try:
+                    load.wait_started(counts_images=counts)
+                    before = load.images
+                    time.sleep(args.seconds)
+                    idle_rate = (load.images - before) / args.seconds if counts else None
+                    for ops in args.ops:
+                        before = load.images
+                        count, wall = op_loop(ops, args.seconds)
+                        images = load.images - before
+                        delay = wall - count * alone[ops] / 1e6
+                        row = GilRow(
+                            switch_interval_ms=1000 * interval,
+                            background=name,
+                            ops=ops,
+                            op_us_alone=alone[ops],
+                            op_us_beside=1e6 * wall / count,
+                            images_per_s_alone=idle_rate,
+                            images_per_s_beside=images / wall if counts else None,
+                            delay_us_per_image=1e6 * delay / images if counts and images else None,
+                        )
+                        rows.append(row)
+                        print(f"    {_line(row)}", file=sys.stderr, flush=True)
+                finally:
+                    load.stop()
+    finally:
+        sys.setswitchinterval(previous)
+    return rows
+
+
+def _line(row: GilRow) -> str:
+    delay = "—" if row.delay_us_per_image is None else f"{row.delay_us_per_image:,.0f} us/image"
+    return (
+        f"switch {row.switch_interval_ms:g} ms, {row.background}, {row.ops} ops: "
+        f"{row.op_us_alone:.2f} -> {row.op_us_beside:.2f} us/op ({row.slowdown:.1f}x), {delay}"
+    )
+
+
+def markdown(rows: Sequence[GilRow], config: dict[str, object]) -> str:
+    """One table row per measurement."""
+    header = [
+        "switch interval ms",
+        "background",
+        "ops",
+        "us/op alone",
+        "us/op beside",
+        "slowdown",
+        "load img/s alone",
+        "load img/s beside",
+        "main-thread delay us/image",
+    ]
+    lines = [
+        "Config: " + ", ".join(f"{k}={v}" for k, v in config.items()),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for r in rows:
+        optional = [r.images_per_s_alone, r.images_per_s_beside, r.delay_us_per_image]
+        cells = [f"{r.switch_interval_ms:g}", r.background, r.ops, f"{r.op_us_alone:.2f}"]
+        cells += [f"{r.op_us_beside:.2f}", f"{r.slowdown:.1f}x"]
+        cells += ["—" if v is None else f"{v:,.0f}" for v in optional]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse options."""
+
+    def listed(kind: Callable[[str], object], choices: Sequence[str] | None = None) -> Callable[[str], list]:
+        def parse(text: str) -> list:
+            values = [kind(x) for x in text.split(",") if x]
+            if not values or (choices is not None and set(values) - set(choices)):  # type: ignore[arg-type]
+                raise argparse.ArgumentTypeError(f"got {text!r}; choose from {', '.join(choices or ())}")
+            return values
+
+        return parse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gil", description=__doc__.splitlines()[0])
+    p.add_argument("--count", type=int, help="images in the varied set (default 1000; --quick 32)")
+    p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
+    p.add_argument("--batch-size", type=int, help="ThreadLoader batch size (default 64; --quick 8)")
+    p.add_argument("--seconds", type=float, help="length of each timed loop (default 1.0; --quick 0.3)")
+    p.add_argument(
+        "--switch-intervals",
+        type=listed(float),
+        default=[0.005, 0.0001],
+        help="sys.setswitchinterval values in seconds (default 0.005,0.0001)",
+    )
+    p.add_argument("--backgrounds", type=listed(str, BACKGROUNDS), default=list(BACKGROUNDS))
+    p.add_argument("--ops", type=listed(str, OPS), help="cpu,cuda (default: cuda too on a GPU)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--out", type=Path, help="write gil.md and gil.json here")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    args = p.parse_args(argv)
+    args.count = args.count or (32 if args.quick else 1000)
+    args.seconds = args.seconds or (0.3 if args.quick else 1.0)
+    args.batch_size = args.batch_size or (8 if args.quick else 64)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.ops = args.ops or (list(OPS) if args.device == "cuda" else ["cpu"])
+    if "cuda" in args.ops and args.device != "cuda":
+        p.error("--ops cuda needs --device cuda")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[GilRow]:
+    """Measure, print the table, write it."""
+    args = parse_args(argv)
+    args.root = ensure_dataset(SET, count=args.count, root=args.data_root)
+    started = time.perf_counter()
+    rows = measure(args)
+    config: dict[str, object] = {
+        "set": SET,
+        "count": args.count,
+        "batch_size": args.batch_size,
+        "seconds": args.seconds,
+        "device": args.device,
+        "wall_s": round(time.perf_counter() - started),
+    }
+    text = markdown(rows, config)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gil.md").write_text(text)
+        dump = {"config": config, "rows": [asdict(r) | {"slowdown": r.slowdown} for r in rows]}
+        (args.out / "gil.json").write_text(json.dumps(dump, indent=2) + "\n")
+        print(f"wrote {args.out}/gil.md, gil.json", file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The GPU timeline summary of benchmarks.timeline, on a hand-written trace with known answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.timeline import intersection_length, summarize, union_length
+
+MAIN, READER = 100, 200
+
+
+def _launch(correlation: int, ts: float, tid: int) -> dict[str, Any]:
+    return {
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 2,
+        "tid": tid,
+        "args": {"correlation": correlation},
+    }
+
+
+def _kernel(correlation: int, ts: float, dur: float, stream: int) -> dict[str, Any]:
+    return {
+        "cat": "kernel",
+        "name": "k",
+        "ts": ts,
+        "dur": dur,
+        "tid": stream,
+        "args": {"correlation": correlation, "stream": stream},
+    }
+
+
+def test_union_and_intersection() -> None:
+    assert union_length([(0, 10), (5, 15), (20, 25)]) == 20
+    assert union_length([(0, 10), (2, 5)]) == 10  # one inside another
+    assert intersection_length([(0, 10), (20, 30)], [(5, 25)]) == 10
+    assert intersection_length([(0, 1)], []) == 0
+
+
+def test_streams_roles_overlap_and_queueing() -> None:
+    events = [
+        # training stream 7: kernels 0-100 and 100-200, launched by the main thread at 0 and 10
+        _launch(1, 0, MAIN),
+        _kernel(1, 0, 100, 7),
+        _launch(2, 10, MAIN),
+        _kernel(2, 100, 100, 7),
+        # reader stream 20: launched at 50 and 60, started at 150 (queued 100) and 250 (queued 190)
+        _launch(3, 50, READER),
+        _kernel(3, 150, 100, 20),
+        _launch(4, 60, READER),
+        _kernel(4, 250, 50, 20),
+        # a decoder's own stream with no launch in the trace: loader, not matched
+        {"cat": "gpu_memcpy", "ts": 400, "dur": 10, "args": {"stream": 30}},
+        {"cat": "cpu_op", "ts": 0, "dur": 500, "tid": MAIN, "args": {}},
+    ]
+    summary = summarize(events, main_tid=MAIN)
+    roles = {s.stream: s.role for s in summary.streams}
+    assert roles == {7: "training", 20: "loader", 30: "loader"}
+    assert summary.busy_us == {"training": 200, "loader": 160}
+    assert summary.overlap_us == 50  # loader 150-300 against training 0-200
+    assert summary.span_us == 410
+    assert sorted(summary.queued_us["loader"]) == [100, 190]
+    assert sorted(summary.queued_us["training"]) == [0, 90]
+    text = summary.text()
+    assert "both running 0.05 ms (31% of the loader's busy time)" in text
+    assert "| 20 | loader | 2 | 0.15 |" in text
+
+
+def test_a_stream_launched_mostly_by_readers_is_the_loaders() -> None:
+    events = [
+        _launch(1, 0, MAIN),
+        _kernel(1, 0, 1, 9),
+        _launch(2, 0, READER),
+        _kernel(2, 1, 1, 9),
+        _launch(3, 0, READER),
+        _kernel(3, 2, 1, 9),
+    ]
+    assert [s.role for s in summarize(events, main_tid=MAIN).streams] == ["loader"]
+
+
+@pytest.mark.parametrize("events", [[], [{"cat": "cpu_op", "ts": 0, "dur": 1, "args": {}}]])
+def test_no_gpu_activity(events: list[dict[str, Any]]) -> None:
+    summary = summarize(events, main_tid=MAIN)
+    assert summary.streams == [] and summary.span_us == 0 and summary.overlap_us == 0
