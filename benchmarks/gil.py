@@ -38,6 +38,7 @@ from PIL import Image
 
 from benchmarks import loaders
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
+from benchmarks.run import _names
 
 SET = "varied"
 BACKGROUNDS = ("threadloader", "decode", "spin")
@@ -144,7 +145,7 @@ def _threadloader(root: Path, device: str, batch_size: int) -> Callable[[threadi
                 if stop.is_set():
                     break
         finally:
-            stream.close()
+            stream.close()  # type: ignore[attr-defined]  # a generator
 
     return run
 
@@ -258,16 +259,6 @@ def markdown(rows: Sequence[GilRow], config: dict[str, object]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options."""
-
-    def listed(kind: Callable[[str], object], choices: Sequence[str] | None = None) -> Callable[[str], list]:
-        def parse(text: str) -> list:
-            values = [kind(x) for x in text.split(",") if x]
-            if not values or (choices is not None and set(values) - set(choices)):  # type: ignore[arg-type]
-                raise argparse.ArgumentTypeError(f"got {text!r}; choose from {', '.join(choices or ())}")
-            return values
-
-        return parse
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.gil", description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, help="images in the varied set (default 1000; --quick 32)")
     p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
@@ -275,12 +266,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, help="length of each timed loop (default 1.0; --quick 0.3)")
     p.add_argument(
         "--switch-intervals",
-        type=listed(float),
+        type=lambda text: [float(x) for x in text.split(",") if x],
         default=[0.005, 0.0001],
         help="sys.setswitchinterval values in seconds (default 0.005,0.0001)",
     )
-    p.add_argument("--backgrounds", type=listed(str, BACKGROUNDS), default=list(BACKGROUNDS))
-    p.add_argument("--ops", type=listed(str, OPS), help="cpu,cuda (default: cuda too on a GPU)")
+    p.add_argument("--backgrounds", type=_names(BACKGROUNDS), default=list(BACKGROUNDS))
+    p.add_argument("--ops", type=_names(OPS), help="cpu,cuda (default: cuda too on a GPU)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--out", type=Path, help="write gil.md and gil.json here")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")

@@ -60,7 +60,7 @@ def _model(device: str) -> torch.nn.Module:
         model: torch.nn.Module = TinyNet()
     else:
         model = import_optional("torchvision.models").resnet50(weights=None, num_classes=CLASSES)
-    return model.to(device, memory_format=torch.channels_last)
+    return model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
 
 
 def make_step(*, device: str, batch_size: int, size: tuple[int, int], kind: str = "eager") -> Step:

@@ -41,7 +41,7 @@ import torch
 from benchmarks import loaders, timeline
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
-from benchmarks.run import DeviceMemory, _release, _take, hardware
+from benchmarks.run import DeviceMemory, _names, _release, _take, hardware
 from benchmarks.train_step import KINDS, Step, make_step, model_name
 
 PIPELINES = ("resize", "augment")
@@ -373,17 +373,6 @@ def chart(rows: Sequence[TrainingRow], path: Path, title: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options; unset sizes take the full-run or ``--quick`` default."""
-
-    def names(choices: Sequence[str]) -> Any:
-        def parse(text: str) -> list[str]:
-            chosen = [x for x in text.split(",") if x]
-            unknown = set(chosen) - set(choices)
-            if unknown or not chosen:
-                raise argparse.ArgumentTypeError(f"got {text!r}; choose from {', '.join(choices)}")
-            return chosen
-
-        return parse
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, help="images in the varied set (default 1000)")
     p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
@@ -392,9 +381,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="steps before timing, the first included (default 10)")
     p.add_argument("--steps", type=int, help="steps per timed window (default 20)")
     p.add_argument("--windows", type=int, help="timed windows per row; the median is reported (default 3)")
-    p.add_argument("--kinds", type=names(KINDS), default=list(KINDS), help="eager,graphed")
-    p.add_argument("--pipelines", type=names(PIPELINES), default=list(PIPELINES), help="resize,augment")
-    p.add_argument("--loaders", type=names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
+    p.add_argument("--kinds", type=_names(KINDS), default=list(KINDS), help="eager,graphed")
+    p.add_argument("--pipelines", type=_names(PIPELINES), default=list(PIPELINES), help="resize,augment")
+    p.add_argument("--loaders", type=_names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
     p.add_argument(
         "--priority",
         choices=(*PRIORITIES, "both"),

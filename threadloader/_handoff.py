@@ -35,7 +35,8 @@ class ReaderStream:
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
             # (least, greatest): a lower number is a higher priority; torch clamps to what it supports.
-            priority = torch.cuda.Stream.priority_range()[1] if _HIGH_PRIORITY else 0
+            # A static method; torch's stub declares it on instances.
+            priority = torch.cuda.Stream.priority_range()[1] if _HIGH_PRIORITY else 0  # type: ignore[call-arg]
             self.stream = torch.cuda.Stream(device, priority=priority)
 
     @contextmanager
