@@ -149,10 +149,12 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
     stream: Generator[Batch, None, None] | None = None
     memory = DeviceMemory(device)
     try:
+        # Release before building the step, never after: empty_cache() also drops cuBLAS's workspaces,
+        # whose addresses a captured graph has baked in (its next replay would fault).
+        _release(device)
         step = make_step(device=device, batch_size=args.batch_size, size=size, kind=spec.kind)
         # Baseline: one more step on its own input, its peak the training's own.
         baseline = next(fixed_input(size=size, batch_size=args.batch_size, device=device))
-        _release(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step(baseline)
