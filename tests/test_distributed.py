@@ -8,6 +8,9 @@ the gloo backend check that the defaults come from ``torch.distributed``.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -176,3 +179,29 @@ def test_two_processes_take_rank_and_world_size_from_gloo(
     gathered = json.loads((tmp_path / "rank0.json").read_text())["all"]
     shards = [{i for batch in gathered[r] for i in batch} for r in (0, 1)]
     assert shards[0] | shards[1] == set(range(N)) and len(shards[0] & shards[1]) == 1  # one padded sample
+
+
+def test_ddp_training_script_runs_two_cpu_ranks_and_its_resume_check_passes(tmp_path: Path) -> None:
+    pytest.importorskip("skimage", reason="the script's data set is cut from scikit-image's photos")
+    out = tmp_path / "ddp.json"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("-m", "benchmarks.ddp_train", "--device", "cpu", "--model", "tiny", "--set", "fixed"),
+        *("--count", "48", "--batch-size", "4", "--steps", "3", "--warmup", "1", "--size", "32"),
+        *("--data", str(tmp_path / "data"), "--out", str(out)),
+    ]
+    result = subprocess.run(
+        command,
+        cwd=Path(__file__).resolve().parent.parent,
+        env=os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2 and report["resume_check"] == "PASS"
+    assert [rank["rank"] for rank in report["ranks"]] == [0, 1]
+    assert all(rank["images_per_s"] > 0 and rank["resume"]["steps_compared"] == 5 for rank in report["ranks"])
+    assert [rank["batches_per_epoch"] for rank in report["ranks"]] == [6, 6]  # 48 images, 2 ranks of 4
+    assert "resume check: PASS" in result.stdout
