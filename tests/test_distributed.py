@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from threadloader import ThreadLoader
 from threadloader import _device as device_module
 
-from .conftest import encode, photo
+from .conftest import GPU_SKIP_REASON, encode, mean_abs_diff, photo, pil_reference
 
 N = 23
 BATCH = 3
@@ -205,3 +205,57 @@ def test_ddp_training_script_runs_two_cpu_ranks_and_its_resume_check_passes(tmp_
     assert all(rank["images_per_s"] > 0 and rank["resume"]["steps_compared"] == 5 for rank in report["ranks"])
     assert [rank["batches_per_epoch"] for rank in report["ranks"]] == [6, 6]  # 48 images, 2 ranks of 4
     assert "resume check: PASS" in result.stdout
+
+
+def _second_gpu_reason() -> str | None:
+    if GPU_SKIP_REASON is not None:
+        return GPU_SKIP_REASON
+    return None if torch.cuda.device_count() >= 2 else f"needs 2 GPUs, {torch.cuda.device_count()} here"
+
+
+two_gpus = pytest.mark.skipif(_second_gpu_reason() is not None, reason=str(_second_gpu_reason()))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_batch_decoder_and_loader_on_the_last_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from threadloader import BatchDecoder
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    blobs = [encode(photo(96 + 8 * i, 128, seed=400 + i), quality=90) for i in range(6)]
+    references = [pil_reference(data) for data in blobs]
+    torch.cuda.synchronize(0)
+    on_first = torch.cuda.memory_allocated(0)
+    with BatchDecoder(device=f"cuda:{last.index}", max_batch=4, max_delay_ms=1) as decoder:
+        decoded = decoder.decode_many(blobs)
+    with ThreadLoader(list(zip(blobs, range(6), strict=True)), batch_size=4, device=last) as loader:
+        batches = [(images, targets.tolist()) for images, targets in loader]
+    assert torch.cuda.memory_allocated(0) == on_first  # nothing of either was put on the first GPU
+    for image, reference in zip(decoded, references, strict=True):
+        assert image.device == last and mean_abs_diff(image, reference) <= 1.0
+    assert [targets for _, targets in batches] == [[0, 1, 2, 3], [4, 5]]
+    for batch, targets in batches:
+        for image, index in zip(batch, targets, strict=True):
+            assert image.device == last and mean_abs_diff(image, references[index]) <= 1.0
+    monkeypatch.setenv("LOCAL_RANK", str(last.index))
+    with ThreadLoader(blobs, batch_size=4) as loader:
+        assert loader.device == last
+        assert all(image.device == last for batch, _ in loader for image in batch)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_random_crops_are_the_same_on_every_gpu() -> None:
+    from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
+
+    blobs = [(encode(photo(200, 240 + 8 * i, seed=500 + i), quality=90), i) for i in range(12)]
+    runs = []
+    for index in (0, torch.cuda.device_count() - 1):
+        options = {"batch_size": 4, "shuffle": True, "seed": 3, "device": f"cuda:{index}"}
+        with ThreadLoader(
+            blobs, transform=[RandomResizedCrop(64), RandomHorizontalFlip()], **options
+        ) as loader:
+            runs.append([(images.cpu(), targets.tolist()) for images, targets in loader])
+    assert [targets for _, targets in runs[0]] == [targets for _, targets in runs[1]]
+    for (a, _), (b, _) in zip(runs[0], runs[1], strict=True):
+        assert (a.int() - b.int()).abs().max() <= 1
