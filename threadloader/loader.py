@@ -96,6 +96,10 @@ class ThreadLoader:
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
             error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
 
+    Attributes:
+        rank: The shard this process loads (see ``rank``).
+        world_size: The number of shards.
+
     Example:
         >>> with ThreadLoader("train/", batch_size=64, shuffle=True, size=(224, 224),
         ...                   dtype=torch.float32) as loader:  # doctest: +SKIP
