@@ -71,6 +71,9 @@ def _nvimgcodec_importable() -> bool:
 def resolve_device(device: str | torch.device | int | None) -> torch.device:
     """Turns the user's ``device`` into an indexed ``torch.device`` that can be used.
 
+    ``None`` under torchrun (``LOCAL_RANK`` set) means ``cuda:LOCAL_RANK``, one GPU per local process,
+    unless fewer GPUs are visible (a launcher that gives each process its own): then the current one.
+
     Raises:
         RuntimeError: For a CUDA device on a machine where none is usable.
         ImportError: For a CUDA device without nvImageCodec installed.
@@ -84,7 +87,12 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
                 "pip install 'threadloader[cu12]' (or [cu13]) to decode on the GPU"
             )
             return torch.device("cpu")
-        device = "cuda"
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        device = (
+            f"cuda:{local_rank}"
+            if local_rank.isdigit() and int(local_rank) < torch.cuda.device_count()
+            else "cuda"
+        )
     resolved = torch.device(device)
     if resolved.type == "cpu":
         return resolved

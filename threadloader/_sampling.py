@@ -1,8 +1,9 @@
-"""Which sample indices go in which batch, epoch by epoch.
+"""Which sample indices go in which batch, epoch by epoch, and on which rank.
 
 The plan is computed on the consumer's side of the pipeline and numbered, so the order of batches and
 of samples within them is exactly the sampler's, whatever the reader threads' timing. Shuffling is a
-pure function of ``(seed, epoch)``: the same seed gives the same order on every run and thread count.
+pure function of ``(seed, epoch)``: the same seed gives the same order on every run and thread count,
+and it is ``DistributedSampler``'s permutation, so every rank of a job draws the same one.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from collections.abc import Iterable, Iterator, Sized
 from itertools import islice
 from typing import Any
 
-import numpy as np
+import torch
 
-__all__ = ["BatchPlan", "group_batches"]
+__all__ = ["BatchPlan", "group_batches", "resolve_shard", "shard"]
 
 
 class BatchPlan:
     """Turns ``batch_size``/``shuffle``/``sampler``/``batch_sampler`` into lists of indices.
 
     Follows ``torch.utils.data.DataLoader``'s rules for which options combine, with the same errors.
+    With ``world_size > 1`` the data set's order is split as ``DistributedSampler`` splits it (see
+    :func:`shard`); a user's sampler or batch sampler is taken as it is, never split.
     """
 
     def __init__(
@@ -32,6 +35,8 @@ class BatchPlan:
         sampler: Iterable[int] | None,
         batch_sampler: Iterable[list[int]] | None,
         drop_last: bool,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if batch_sampler is not None:
             if batch_size is not None or shuffle or sampler is not None or drop_last:
@@ -49,16 +54,34 @@ class BatchPlan:
         self._num_samples = num_samples
         self._batch_size = batch_size or 1
         self._shuffle = shuffle
-        self._seed = seed
+        self.seed = seed
         self._sampler = sampler
         self._batch_sampler = batch_sampler
         self._drop_last = drop_last
+        self._rank = rank
+        self._world_size = world_size
 
     def __len__(self) -> int:
         if self._batch_sampler is not None:
             return _length_of(self._batch_sampler, "batch_sampler")
-        n = self._num_samples if self._sampler is None else _length_of(self._sampler, "sampler")
+        if self._sampler is not None:
+            n = _length_of(self._sampler, "sampler")
+        else:
+            n = shard_length(self._num_samples, self._world_size, drop_last=self._drop_last)
         return n // self._batch_size if self._drop_last else -(-n // self._batch_size)
+
+    def arguments(self) -> dict[str, Any]:
+        """What decides the plan besides the seed, as plain data: a resumed loader must match it."""
+        return {
+            "num_samples": self._num_samples,
+            "batch_size": None if self._batch_sampler is not None else self._batch_size,
+            "shuffle": self._shuffle,
+            "drop_last": self._drop_last,
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "sampler": _describe(self._sampler),
+            "batch_sampler": _describe(self._batch_sampler),
+        }
 
     def set_epoch(self, epoch: int) -> None:
         """Forwards the epoch to a sampler that wants it (``DistributedSampler`` and the like)."""
@@ -66,25 +89,96 @@ class BatchPlan:
             if obj is not None and callable(getattr(obj, "set_epoch", None)):
                 obj.set_epoch(epoch)  # type: ignore[union-attr]
 
-    def batches(self, epoch: int) -> Iterator[list[int]]:
-        """Yields the batches of one epoch, lazily (samplers may be long)."""
+    def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
+        """Yields the batches of one epoch from batch number ``start`` on, lazily (samplers may be long).
+
+        A user's sampler is iterated from its beginning and its first ``start`` batches are dropped:
+        resuming replays it.
+        """
         if self._batch_sampler is not None:
-            for batch in self._batch_sampler:
+            for batch in islice(self._batch_sampler, start, None):
                 yield [int(i) for i in batch]
             return
-        indices = iter(self._indices(epoch))
+        skipped = start * self._batch_size
+        indices: Iterator[Any] = (
+            islice(iter(self._sampler), skipped, None)
+            if self._sampler is not None
+            else iter(self._indices(epoch)[skipped:])
+        )
         while batch := [int(i) for i in islice(indices, self._batch_size)]:
             if len(batch) < self._batch_size and self._drop_last:
                 return
             yield batch
 
-    def _indices(self, epoch: int) -> Iterable[Any]:
-        if self._sampler is not None:
-            return self._sampler
+    def _indices(self, epoch: int) -> list[int]:
         if self._shuffle:
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self._seed, epoch])))
-            return rng.permutation(self._num_samples).tolist()
-        return range(self._num_samples)
+            # DistributedSampler's permutation for the same seed: every rank draws the same one.
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self._num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self._num_samples))
+        return shard(order, self._rank, self._world_size, drop_last=self._drop_last)
+
+
+def shard_length(num_samples: int, world_size: int, *, drop_last: bool) -> int:
+    """Samples per rank: ``DistributedSampler.num_samples``."""
+    if drop_last:
+        return num_samples // world_size
+    return -(-num_samples // world_size)
+
+
+def shard(indices: list[int], rank: int, world_size: int, *, drop_last: bool) -> list[int]:
+    """Rank ``rank``'s part of ``indices``, by ``DistributedSampler``'s rules.
+
+    Every rank gets the same number of samples, so ranks stay in step: without ``drop_last`` the order
+    is padded by repeating it from its start, with it the tail is cut; then rank ``r`` takes every
+    ``world_size``-th index from position ``r``.
+    """
+    if world_size == 1:
+        return indices
+    total = shard_length(len(indices), world_size, drop_last=drop_last) * world_size
+    if total > len(indices) and indices:
+        indices = (indices * -(-total // len(indices)))[:total]
+    return indices[rank:total:world_size]
+
+
+def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank``/``world_size`` as given, else ``torch.distributed``'s if initialized, else one process.
+
+    Raises:
+        ValueError: For values that are not a rank of the world, naming them and where they came from.
+    """
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if initialized else 1
+    if rank is None:
+        if initialized:
+            rank = torch.distributed.get_rank()
+        elif world_size > 1:
+            raise ValueError(
+                f"world_size={world_size} needs rank= too (torch.distributed is not initialized here to "
+                "take it from): pass rank=, or call torch.distributed.init_process_group() first"
+            )
+        else:
+            rank = 0
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank must be in [0, world_size) = [0, {world_size}), got rank={rank}: ranks count from 0"
+        )
+    return rank, world_size
+
+
+def _describe(obj: object) -> str | None:
+    """A sampler's class and length, to tell a resumed loader's sampler from another."""
+    if obj is None:
+        return None
+    length = f" of {len(obj)}" if isinstance(obj, Sized) else ""
+    return f"{type(obj).__name__}{length}"
 
 
 def _length_of(obj: object, name: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from ._device import default_decode_batch_size, set_up_decoding
 from ._handoff import ReaderStream
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
-from ._sampling import BatchPlan, group_batches
+from ._sampling import BatchPlan, group_batches, resolve_shard
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
@@ -30,6 +31,10 @@ from .transforms import OutputFormat, Transform, as_transform, stacking_size
 __all__ = ["ThreadLoader"]
 
 Images = torch.Tensor | list[torch.Tensor]
+logger = logging.getLogger("threadloader")
+
+#: The ``format`` of :meth:`ThreadLoader.state_dict`: bumped when its meaning changes.
+STATE_FORMAT = "threadloader.ThreadLoader/1"
 
 
 class ThreadLoader:
@@ -47,17 +52,27 @@ class ThreadLoader:
         batch_size: Samples per batch.
         shuffle: Reshuffle every epoch; the order is a function of ``(seed, epoch)`` only.
         seed: Seed of the shuffle; ``None`` draws one from torch's global generator at construction, so
-            ``torch.manual_seed`` makes it reproducible.
+            ``torch.manual_seed`` makes it reproducible. The permutation is ``DistributedSampler``'s
+            for the same seed. With ``world_size > 1`` and ``shuffle``, pass it (the same on every rank).
         sampler: Yields sample indices (exclusive with ``shuffle``); ``set_epoch`` is forwarded to it.
-        batch_sampler: Yields lists of indices (exclusive with the four options before it).
-        drop_last: Drop the last batch when it is smaller than ``batch_size``.
+            Taken as it is: not sharded across ranks (pass a ``DistributedSampler`` to shard it).
+        batch_sampler: Yields lists of indices (exclusive with the four options before it); not sharded.
+        drop_last: Drop the last batch when it is smaller than ``batch_size``; with ``world_size > 1``
+            also cut each rank's shard to ``len // world_size`` samples instead of padding it by
+            repeating samples (both of ``DistributedSampler``'s and ``DataLoader``'s ``drop_last``).
+        rank: This process's rank: it loads shard ``rank`` of ``world_size`` (the data set's order,
+            padded or cut to a multiple of ``world_size``, then every ``world_size``-th sample from
+            ``rank``: ``DistributedSampler``'s rules). Default: ``torch.distributed``'s rank when it is
+            initialized, else 0.
+        world_size: Number of shards; default: ``torch.distributed``'s world size when it is
+            initialized, else 1.
         num_threads: Reader threads; default 2 on a GPU (decoding is serialized there and more threads
             only contend for the GIL; see docs/benchmarks.md), the CPU count on
             the CPU.
         prefetch: Decode groups in flight per thread, decoded or being decoded: the memory knob. At most
             ``num_threads * prefetch`` groups of up to ``decode_batch_size`` images are held at once.
-        device: ``None`` picks ``"cuda"`` when a GPU and nvImageCodec are usable, else ``"cpu"``; also
-            ``"cuda:1"`` or a ``torch.device``.
+        device: ``None`` picks ``"cuda"`` when a GPU and nvImageCodec are usable (``cuda:LOCAL_RANK``
+            under torchrun), else ``"cpu"``; also ``"cuda:1"`` or a ``torch.device``.
         size: ``(H, W)``: every image resized to it (bilinear, antialiased) and stacked.
         dtype: ``torch.uint8``, or a float type scaled to [0, 1].
         mean: Per-channel mean to subtract (float dtypes, with ``std``), on the [0, 1] scale.
@@ -81,6 +96,10 @@ class ThreadLoader:
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
             error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
 
+    Attributes:
+        rank: The shard this process loads (see ``rank``).
+        world_size: The number of shards.
+
     Example:
         >>> with ThreadLoader("train/", batch_size=64, shuffle=True, size=(224, 224),
         ...                   dtype=torch.float32) as loader:  # doctest: +SKIP
@@ -98,6 +117,8 @@ class ThreadLoader:
         sampler: Iterable[int] | None = None,
         batch_sampler: Iterable[list[int]] | None = None,
         drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
         num_threads: int | None = None,
         prefetch: int = 2,
         device: str | torch.device | int | None = None,
@@ -122,6 +143,21 @@ class ThreadLoader:
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self._source = as_source(source)
+        self.rank, self.world_size = resolve_shard(rank, world_size)
+        own_order = sampler is None and batch_sampler is None
+        if not own_order and self.world_size > 1 and (rank is not None or world_size is not None):
+            raise ValueError(
+                f"rank={rank} and world_size={world_size} shard the loader's own order, but a sampler or "
+                "batch_sampler is taken as it is: shard it yourself (DistributedSampler) and leave rank "
+                "and world_size unset"
+            )
+        if own_order and shuffle and self.world_size > 1 and seed is None:
+            raise ValueError(
+                f"shuffle=True with world_size={self.world_size} needs seed= (the same int on every rank, "
+                "as DistributedSampler's seed=0): with seed=None each rank would draw its own order and "
+                "the shards would overlap"
+            )
+        self._seed_given = seed is not None
         seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
         self._transform = as_transform(transform)
         self._plan = BatchPlan(
@@ -133,6 +169,8 @@ class ThreadLoader:
             sampler=sampler,
             batch_sampler=batch_sampler,
             drop_last=drop_last,
+            rank=self.rank,
+            world_size=self.world_size,
         )
         self._output = OutputFormat(
             size=stacking_size(size, self._transform),
@@ -151,17 +189,21 @@ class ThreadLoader:
         self.prefetch = prefetch
         self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
         self._stats = StatsRecorder()
-        self._producer = BatchProducer(
+        # A partial, to remake the producer with the seed a loaded state brings (see load_state_dict).
+        self._new_producer = functools.partial(
+            BatchProducer,
             source=self._source,
             decoder=decoder,
             output=self._output,
             on_error=on_error,
             stats=self._stats,
             transform=self._transform,
-            seed=seed,
         )
+        self._producer = self._new_producer(seed=seed)
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._next_epoch = 0
+        self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
+        self._progress: _Progress | None = None  # the latest iteration's
         self._iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
         self._closed = False
 
@@ -178,11 +220,13 @@ class ThreadLoader:
         """Starts an epoch: the epoch set by :meth:`set_epoch`, else the previous one plus one."""
         if self._closed:
             raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
-        epoch = self._next_epoch
+        epoch, start = self._next_epoch, self._resume
         self._next_epoch += 1
+        self._resume = 0
         self._plan.set_epoch(epoch)
+        self._progress = progress = _Progress(epoch, start)
         pool: OrderedPool[list[Outcome]] = OrderedPool(
-            tasks=group_batches(self._plan.batches(epoch), self.decode_batch_size),
+            tasks=group_batches(progress.count(self._plan.batches(epoch, start)), self.decode_batch_size),
             # Threads see only the producer and the streams, never the loader: dropping the loader
             # and its iterators closes the pool.
             work=functools.partial(_produce_on, self._producer, self._readers, epoch),
@@ -190,13 +234,96 @@ class ThreadLoader:
             window=self.num_threads * self.prefetch,
             name=f"threadloader-e{epoch}",
         )
-        iterator = _EpochIterator(self, pool, epoch)
+        iterator = _EpochIterator(self, pool, epoch, progress)
         self._iterators.add(iterator)
         return iterator
 
     def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch of the next iteration (its shuffle order); later ones count on from it."""
-        self._next_epoch = int(epoch)
+        """Sets the epoch of the next iteration (its shuffle order); later ones count on from it.
+
+        After :meth:`load_state_dict`, setting the state's own epoch keeps its position (the usual
+        ``set_epoch`` at the top of an epoch loop); another epoch starts from its first batch.
+        """
+        epoch = int(epoch)
+        if self._resume and epoch != self._next_epoch:
+            logger.warning(
+                "set_epoch(%d) replaces the position loaded by load_state_dict (epoch %d after %d batches): "
+                "epoch %d starts from its first batch",
+                epoch,
+                self._next_epoch,
+                self._resume,
+                epoch,
+            )
+            self._resume = 0
+        self._next_epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the latest iteration is, as plain data that ``torch.save`` and ``torch.load`` keep.
+
+        As ``torchdata``'s ``StatefulDataLoader``: after ``k`` batches of an epoch it says "epoch ``e``
+        after ``k`` batches"; once an epoch has ended, "the next epoch, from its start". Batches are
+        counted as the consumer received them (not as reader threads prefetched them), and a batch
+        left empty by ``on_error="skip"`` counts as passed. A batch that raised :class:`SampleError`
+        is not passed: resuming raises it again.
+        """
+        progress = self._progress
+        if progress is None or progress.finished:
+            epoch, batches = self._next_epoch, self._resume
+        else:
+            epoch, batches = progress.epoch, progress.consumed
+        return {
+            "format": STATE_FORMAT,
+            "epoch": epoch,
+            "batches": batches,
+            "seed": self._plan.seed,
+            "arguments": self._plan.arguments(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next iteration continue where the loader that saved ``state`` was.
+
+        The next ``iter`` yields exactly the batches the saving loader would have yielded next (the
+        same samples, order and random transform parameters), and the epochs after it follow. A loader
+        built with ``seed=None`` takes the state's seed; one built with another seed refuses it.
+        A user's sampler is replayed from its start and the batches already passed are dropped, so
+        that is exact only for a sampler whose order depends on its arguments and ``set_epoch`` alone
+        (``SequentialSampler``, ``DistributedSampler``).
+
+        Raises:
+            ValueError: ``state`` is not a ThreadLoader state, or came from a loader with other
+                arguments (data set length, batch size, shuffle, drop_last, rank, world size,
+                sampler, seed); the message names each difference.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"not a ThreadLoader state: format {got!r}, expected {STATE_FORMAT!r}; pass what "
+                "ThreadLoader.state_dict() returned"
+            )
+        saved, ours = state.get("arguments"), self._plan.arguments()
+        saved = saved if isinstance(saved, dict) else {}
+        mismatches = [
+            f"{name}: the state's {saved.get(name)!r}, this loader's {value!r}"
+            for name, value in ours.items()
+            if saved.get(name) != value
+        ]
+        seed, epoch, batches = (_count_in(state, key) for key in ("seed", "epoch", "batches"))
+        if self._seed_given and seed != self._plan.seed:
+            mismatches.append(
+                f"seed: the state's {seed}, this loader's {self._plan.seed} (pass seed={seed}, or seed=None "
+                "to take the state's)"
+            )
+        if batches > _known_length(self._plan, default=batches):
+            mismatches.append(f"batches: the state's {batches}, more than this loader's {len(self)} an epoch")
+        if mismatches:
+            raise ValueError(
+                "this state was saved by a loader built with other arguments; build it with the saving "
+                "run's arguments. " + "; ".join(mismatches)
+            )
+        if seed != self._plan.seed:
+            self._plan.seed = seed
+            self._producer = self._new_producer(seed=seed)
+        self._next_epoch, self._resume, self._progress = epoch, batches, None
 
     def stats(self) -> LoaderStats:
         """Counters and per-stage host time since construction: samples, skipped, errors, fallbacks."""
@@ -235,9 +362,12 @@ def _produce_on(
 class _EpochIterator:
     """One pass over the loader; hands batches out in order and closes its pool when done or dropped."""
 
-    def __init__(self, loader: ThreadLoader, pool: OrderedPool[list[Outcome]], epoch: int) -> None:
+    def __init__(
+        self, loader: ThreadLoader, pool: OrderedPool[list[Outcome]], epoch: int, progress: _Progress
+    ) -> None:
         self._loader = loader  # keeps a loader used only through its iterator alive
         self._pool = pool
+        self._progress = progress
         self._stats = loader._stats
         self._pending: collections.deque[Outcome] = collections.deque()
         self.epoch = epoch
@@ -248,6 +378,10 @@ class _EpochIterator:
     def __next__(self) -> tuple[Images, Any]:
         try:
             batch = self._next_batch()
+        except StopIteration:
+            self._progress.finish()
+            self.close()
+            raise
         except BaseException:
             self.close()
             raise
@@ -264,6 +398,7 @@ class _EpochIterator:
             outcome = self._pending.popleft()
             if isinstance(outcome, SampleError):
                 raise outcome
+            self._progress.consumed += 1
             if outcome is not None:
                 return outcome
 
@@ -275,3 +410,46 @@ class _EpochIterator:
     def __del__(self) -> None:
         if getattr(self, "_pool", None) is not None:
             self.close()
+
+
+class _Progress:
+    """How far the consumer is in one epoch, in the plan's batches (a batch left empty counts too).
+
+    Written by the consumer's thread, except ``total``, which the reader thread that exhausts the plan
+    writes under the pool's lock before the pool reports the end: the consumer reads it only after.
+    """
+
+    def __init__(self, epoch: int, start: int) -> None:
+        self.epoch = epoch
+        self.start = start
+        self.consumed = start
+        self.total: int | None = None
+        self.finished = False
+
+    def count(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
+        """Passes ``batches`` through, noting how many the epoch has once they run out."""
+        total = self.start
+        for batch in batches:
+            total += 1
+            yield batch
+        self.total = total
+
+    def finish(self) -> None:
+        """Called when the iterator stops: the epoch ended if every planned batch was consumed."""
+        self.finished = self.total is not None and self.consumed >= self.total
+
+
+def _count_in(state: dict[str, Any], key: str) -> int:
+    """A non-negative int of a state, or the error saying the state is damaged."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a ThreadLoader state's {key} is a non-negative int, got {value!r} (damaged state)")
+    return value
+
+
+def _known_length(plan: BatchPlan, *, default: int) -> int:
+    """Batches per epoch, or ``default`` for a sampler without a length."""
+    try:
+        return len(plan)
+    except TypeError:
+        return default
