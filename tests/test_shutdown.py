@@ -1,11 +1,17 @@
-"""Reader threads end on every way out of a loop, nothing leaks, and prefetching stays bounded."""
+"""Reader threads end on every way out of a loop, also mid-batch, nothing leaks, prefetching stays bounded,
+and the interpreter exits cleanly with threads still working."""
 
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +19,10 @@ import torch
 from torch.utils.data import Dataset
 
 from threadloader import LoaderClosedError, ThreadLoader, ThreadLoaderError
+from threadloader._cancel import Cancelled, bind_cancel
+from threadloader._stats import StatsRecorder
+from threadloader._workers import OrderedPool
+from threadloader.decode import PillowDecoder
 
 from .conftest import encode, photo, pil_reference, reader_threads, wait_for_no_reader_threads
 
@@ -117,14 +127,15 @@ def test_close_mid_iteration(blobs: list[bytes]) -> None:
     before = threading.active_count()
     loader = make(blobs)
     seen = []
-    for _, targets in loader:
-        seen.append(targets.tolist())
-        if len(seen) == 2:
-            start = time.monotonic()
-            loader.close()
-            assert time.monotonic() - start < 1.0
-            assert reader_threads() == []
-    assert seen == [[0, 1], [2, 3]]  # the loop ended at close()
+    with pytest.raises(LoaderClosedError, match="closed while this pass was running"):
+        for _, targets in loader:
+            seen.append(targets.tolist())
+            if len(seen) == 2:
+                start = time.monotonic()
+                loader.close()
+                assert time.monotonic() - start < 1.0
+                assert reader_threads() == []
+    assert seen == [[0, 1], [2, 3]]  # the loop did not go on, nor end as if the epoch were complete
     assert_all_ended(before)
     loader.close()  # idempotent
     loader.close()
@@ -140,7 +151,9 @@ def test_close_with_an_iterator_held(blobs: list[bytes]) -> None:
     next(iterator)
     loader.close()
     assert_all_ended(before)
-    assert list(iterator) == []
+    for _ in range(2):  # every later call too, never StopIteration
+        with pytest.raises(LoaderClosedError):
+            next(iterator)
     assert_all_ended(before)
 
 
@@ -297,3 +310,254 @@ def test_a_failing_sampler_ends_every_thread(blobs: list[bytes]) -> None:
             seen.append(targets.tolist())
     assert seen == [[0, 1], [2, 3]]
     assert_all_ended(before)
+
+
+# Slow batches (issue 13): leaving a loop ends the readers within a few steps of their work, not at the
+# end of their batch, and the interpreter exits cleanly with the script's own exit code.
+
+#: Seconds each sample of a slow batch takes, and samples per batch: a batch takes seconds.
+STEP = 0.05
+SLOW_BATCH = 64
+#: Most seconds from leaving a loop to the last reader thread gone, on those batches: a few steps.
+STOP_BOUND = 0.5
+
+
+class SlowAfterFirst(Dataset):
+    """A fast first batch, then STEP seconds per sample; says when reader threads are inside slow ones."""
+
+    def __init__(self, blobs: list[bytes]) -> None:
+        self.blobs = blobs
+        self.cv = threading.Condition()
+        self.inside: set[str] = set()
+        self.slow_calls = 0
+
+    def __len__(self) -> int:
+        return 4 * SLOW_BATCH
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        if index >= SLOW_BATCH:
+            with self.cv:
+                self.inside.add(threading.current_thread().name)
+                self.slow_calls += 1
+                self.cv.notify_all()
+            time.sleep(STEP)
+        return self.blobs[index % len(self.blobs)], index
+
+    def wait_inside(self, threads: int) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.inside) >= threads, timeout=10)
+
+
+def slow_loader(blobs: list[bytes]) -> tuple[ThreadLoader, SlowAfterFirst]:
+    source = SlowAfterFirst(blobs)
+    # Two threads, one batch each in flight: once the consumer has batch 0, both are in slow batches.
+    # One batch per group on every device (a GPU groups 128 images by default).
+    loader = ThreadLoader(
+        source, batch_size=SLOW_BATCH, decode_batch_size=SLOW_BATCH, num_threads=2, prefetch=1
+    )
+    return loader, source
+
+
+def seconds_until_no_reader_threads(started: float) -> float:
+    assert wait_for_no_reader_threads(5.0) == []
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("way", ["break", "del", "close", "with"])
+def test_slow_batches_stop_promptly(blobs: list[bytes], way: str) -> None:
+    loader, source = slow_loader(blobs)
+    started = 0.0
+    if way == "break":
+        for _ in loader:
+            source.wait_inside(2)
+            started = time.monotonic()
+            break
+    elif way == "with":
+        with loader:
+            iterator = iter(loader)
+            next(iterator)
+            source.wait_inside(2)
+            started = time.monotonic()
+    else:
+        iterator = iter(loader)
+        next(iterator)
+        source.wait_inside(2)
+        started = time.monotonic()
+        if way == "del":
+            del iterator
+        else:
+            loader.close()
+    elapsed = seconds_until_no_reader_threads(started)
+    assert elapsed < STOP_BOUND, f"readers took {elapsed:.2f} s to stop after {way}"
+    assert source.slow_calls < SLOW_BATCH  # neither thread finished its batch (2 x 3.2 s)
+
+
+def _waiting_in_pool(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside OrderedPool.next, waiting for a result."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is OrderedPool.next.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_close_from_another_thread_fails_the_waiting_next(blobs: list[bytes]) -> None:
+    loader, source = slow_loader(blobs)
+    iterator = iter(loader)
+    next(iterator)
+    consumer = threading.current_thread()
+    closed_at: list[float] = []
+
+    def close_once_the_consumer_waits() -> None:
+        deadline = time.monotonic() + 10
+        while not _waiting_in_pool(consumer) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        closed_at.append(time.monotonic())
+        loader.close()
+
+    closer = threading.Thread(target=close_once_the_consumer_waits)
+    closer.start()
+    with pytest.raises(LoaderClosedError, match="closed while this pass was running"):
+        next(iterator)  # waits for batch 1, seconds away, until the other thread closes the loader
+    closer.join(5)
+    assert seconds_until_no_reader_threads(closed_at[0]) < STOP_BOUND
+    with pytest.raises(LoaderClosedError):  # and every call after it: the epoch did not end
+        next(iterator)
+    assert source.slow_calls < SLOW_BATCH
+
+
+def test_close_from_another_thread_drops_batches_already_received(blobs: list[bytes]) -> None:
+    samples = [(blob, i) for i, blob in enumerate(blobs[:16])]
+    loader = ThreadLoader(samples, batch_size=2, decode_batch_size=8, num_threads=1)
+    iterator = iter(loader)
+    _, targets = next(iterator)  # batch 0 of a group of 4: batches 1-3 are in the iterator already
+    assert targets.tolist() == [0, 1]
+    closer = threading.Thread(target=loader.close)
+    closer.start()
+    closer.join(5)
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+
+
+def test_pillow_stops_between_images(blobs: list[bytes]) -> None:
+    """A batch of large images is long to decode: a cancelled thread decodes no further image."""
+    cancel = threading.Event()
+    taken: list[int] = []
+
+    class CancelAtSecond(Sequence):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> bytes:
+            taken.append(index)
+            if index == 1:
+                cancel.set()
+            return blobs[index]
+
+    raised: list[BaseException] = []
+
+    def decode() -> None:
+        bind_cancel(cancel)
+        try:
+            PillowDecoder().decode(CancelAtSecond(), stream=None, stats=StatsRecorder())
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    thread.join(5)
+    assert taken == [0, 1] and len(raised) == 1 and isinstance(raised[0], Cancelled)
+
+
+#: A script that leaves a loader (or a service) while its reader thread is inside seconds of torch
+#: calls, then ends. A daemon thread still inside torch when the interpreter finalizes aborts the
+#: process ("terminate called without an active exception", exit code 134).
+EXIT_SCRIPT = """
+import sys, threading, time
+import torch
+from threadloader import BatchDecoder, ThreadLoader
+from threadloader.transforms import Transform
+from tests.conftest import encode, photo
+
+JPEG = encode(photo(16, 24), quality=90)
+entered = threading.Event()
+
+
+def slow_torch_work():
+    entered.set()
+    x = torch.ones(1000, 1000)
+    end = time.monotonic() + 2.5  # a step longer than any fixed join timeout, all in torch
+    while time.monotonic() < end:
+        x.to(torch.float64)
+
+
+class SlowSource:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index >= 2:
+            slow_torch_work()
+        return JPEG, index
+
+
+class SlowTransform(Transform):
+    def apply(self, images, params):
+        slow_torch_work()
+        return images
+
+
+if sys.argv[1] == "service":
+    decoder = BatchDecoder(device="cpu", num_threads=1, transform=SlowTransform())
+    future = decoder.submit(JPEG)
+    future.add_done_callback(lambda f: print("answered:", type(f.exception()).__name__, flush=True))
+    entered.wait()
+else:
+    loader = ThreadLoader(SlowSource(), batch_size=2, num_threads=1, prefetch=2, device="cpu")
+    for images, _ in loader:
+        entered.wait()  # the reader is inside batch 1
+        break
+print("left", flush=True)
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+def run_exit_script(tmp_path: Path, what: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "leave_early.py"
+    script.write_text(EXIT_SCRIPT)
+    root = Path(__file__).parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(script), what], capture_output=True, text=True, timeout=120, cwd=root, env=env
+    )
+
+
+def alarms(stderr: str) -> list[str]:
+    """Lines of ``stderr`` that say something went wrong natively or at shutdown."""
+    words = ("terminate", "fatal", "abort", "exception ignored", "segmentation", "core dumped")
+    return [line for line in stderr.splitlines() if any(word in line.lower() for word in words)]
+
+
+@pytest.mark.parametrize(
+    ("what", "output"),
+    [("loader", ["left"]), ("service", ["left", "answered: LoaderClosedError"])],
+    ids=["loader", "service"],
+)
+def test_exit_while_a_reader_is_inside_torch(tmp_path: Path, what: str, output: list[str]) -> None:
+    result = run_exit_script(tmp_path, what)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == output
+    assert "Traceback" not in result.stderr and not alarms(result.stderr), result.stderr
+
+
+def test_uncaught_exception_keeps_its_exit_code(tmp_path: Path) -> None:
+    result = run_exit_script(tmp_path, "raise")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("Traceback") == 1
+    assert result.stderr.strip().endswith("RuntimeError: the script failed")
+    assert not alarms(result.stderr), result.stderr

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import default_collate
 
+from ._cancel import check_cancelled
 from ._handoff import ReaderStream, Ready
 from ._sources import SampleRef, Source, fetch, read_bytes
 from ._stats import StatsRecorder
@@ -104,6 +105,7 @@ class BatchProducer:
         fetching = reading = 0.0  # summed here and recorded once: a timer per sample costs more than a read
         for number, indices in enumerate(batches):
             for index in indices:
+                check_cancelled()  # a slow source makes a long batch: stop between samples
                 started = time.perf_counter()
                 try:
                     ref = fetch(self._source, index)
@@ -120,6 +122,7 @@ class BatchProducer:
         self._stats.add_time("fetch", fetching)
         self._stats.add_time("read", reading)
 
+        check_cancelled()
         outcomes: list[Outcome] = []
         plans = _Plans(self._transform, self._seed, epoch, refs) if self._transform is not None else None
         with reader.active() as stream:
@@ -133,6 +136,7 @@ class BatchProducer:
                 if blobs
                 else None
             )
+            check_cancelled()
             if decoded is not None:
                 for position, reason in sorted(decoded.errors.items()):
                     ref = refs[position]
@@ -147,6 +151,7 @@ class BatchProducer:
             )
             first = 0
             for number in range(len(batches)):
+                check_cancelled()
                 last = first
                 while last < len(owner) and owner[last] == number:
                     last += 1
@@ -196,6 +201,7 @@ class BatchProducer:
                 images = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
             if self._transform is not None and plans is not None:
                 images = self._transform.apply_many(images, [plans.params(p, decoded) for p in kept])
+                check_cancelled()
             return self._output.apply(images)
 
 

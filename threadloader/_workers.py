@@ -1,30 +1,139 @@
-"""A pool of threads that runs numbered tasks and hands results out in task order.
+"""The library's threads: how they start, stop, and end before the interpreter does; and OrderedPool.
 
-Ordering does not depend on thread timing: tasks are numbered when they are taken, results are keyed
-by that number, and the consumer takes them strictly in sequence. Memory is bounded: no thread starts
-a task more than ``window`` tasks ahead of the consumer. Every wait ends on ``close()``, and the
-consumer's wait also notices threads that died, so nothing hangs. Threads hold no reference to whoever
-owns the pool, so dropping the owner closes the pool.
+Every thread the library starts belongs to a :class:`ThreadGroup`, the one place that decides how
+threads stop. Stopping is cooperative: cancelling a group sets the flag that :func:`check_cancelled`
+reads between the steps of a batch (a sample, an image, a batch), so a thread ends within one step
+however long its batch is, and its owner's waits are woken. The threads are daemons, and an ``atexit``
+hook cancels every group and waits until its threads have returned: a thread abandoned inside torch
+when the interpreter finalizes aborts the process (``terminate called without an active exception``).
+
+:class:`OrderedPool` runs numbered tasks on a group and hands results out in task order. Ordering does
+not depend on thread timing: tasks are numbered when they are taken, results are keyed by that number,
+and the consumer takes them strictly in sequence. Memory is bounded: no thread starts a task more than
+``window`` tasks ahead of the consumer. Every wait ends on ``close()``, and the consumer's wait also
+notices threads that died, so nothing hangs. Threads hold no reference to whoever owns the pool, so
+dropping the owner closes the pool.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["OrderedPool"]
+from ._cancel import Cancelled, bind_cancel
+from .errors import LoaderClosedError
+
+__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup"]
 
 T = TypeVar("T")
 
-#: Seconds ``close()`` waits for all threads to finish their current task.
+#: Most seconds an owner's ``close()`` waits for its threads. They end at their next cancellation check
+#: anyway, and interpreter exit waits for them however long that takes.
 JOIN_TIMEOUT = 1.0
-_POLL = 0.5
+#: Longest a thread waits before checking again whether its owner closed (wake-ups are immediate).
+POLL = 0.5
+#: Seconds interpreter exit waits before saying on stderr which threads it is waiting for.
+EXIT_NOTICE = 10.0
 
-_open_pools: weakref.WeakSet[OrderedPool[Any]] = weakref.WeakSet()
+_groups: weakref.WeakSet[ThreadGroup] = weakref.WeakSet()
+_groups_lock = threading.Lock()  # a WeakSet may not be changed while the exit hook copies it
+
+
+class ThreadGroup:
+    """Daemon threads that one owner (a pool, a service) starts and stops together.
+
+    Daemons, because Python joins other threads before running ``atexit`` hooks: a thread waiting for
+    a consumer that is gone would hang the interpreter before anything could tell it to stop. The exit
+    hook here does that instead: it cancels the group and waits until the threads have returned.
+
+    Args:
+        name: Prefix of the threads' names (``name-0``, ``name-1``...).
+        count: Threads to start.
+        target: Called in each thread with its index ``0..count-1``; it may end by raising
+            :class:`Cancelled` once cancelled.
+        wake: Called on :meth:`cancel`, in the cancelling thread: wakes the owner's waits (its threads
+            waiting for work, a consumer waiting for results), which must then end.
+    """
+
+    def __init__(
+        self, *, name: str, count: int, target: Callable[[int], None], wake: Callable[[], None]
+    ) -> None:
+        self.cancelled = threading.Event()
+        self._wake = wake
+        self._threads = [
+            threading.Thread(target=self._run, args=(target, i), name=f"{name}-{i}", daemon=True)
+            for i in range(count)
+        ]
+        with _groups_lock:
+            _groups.add(self)
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The group's threads (for tests and diagnostics)."""
+        return list(self._threads)
+
+    def cancel(self) -> None:
+        """Asks every thread to stop at its next cancellation check and wakes the owner's waits."""
+        self.cancelled.set()
+        self._wake()
+
+    def join(self, timeout: float | None) -> bool:
+        """Waits up to ``timeout`` seconds (``None``: no limit) for the threads other than the caller.
+
+        Returns:
+            Whether they have all ended.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self.alive():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self.alive()
+
+    def alive(self) -> list[threading.Thread]:
+        """The threads still running, other than the calling one (which may be closing its own pool)."""
+        current = threading.current_thread()
+        return [thread for thread in self._threads if thread.is_alive() and thread is not current]
+
+    def _run(self, target: Callable[[int], None], index: int) -> None:
+        bind_cancel(self.cancelled)
+        with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
+            target(index)
+
+
+@atexit.register
+def _end_threads_at_exit() -> None:
+    """Cancels every thread group and waits until its threads have returned, with no fixed limit.
+
+    Cancelled threads end within one step of their work. A step that never ends (a read that blocks
+    forever) holds the exit here, said on stderr after :data:`EXIT_NOTICE` seconds; Ctrl-C ends the
+    wait. Returning earlier would leave the thread inside torch while the interpreter finalizes.
+    """
+    with _groups_lock:
+        groups = list(_groups)
+    for group in groups:
+        group.cancel()
+    started = time.monotonic()
+    noticed = False
+    for thread in [thread for group in groups for thread in group.alive()]:
+        while thread.is_alive():
+            thread.join(POLL)
+            if thread.is_alive() and not noticed and time.monotonic() - started > EXIT_NOTICE:
+                names = ", ".join(t.name for group in groups for t in group.alive())
+                print(
+                    f"threadloader: waiting for threads {names} to finish their current step before the "
+                    "interpreter exits (a read that never returns holds it here; Ctrl-C ends the wait)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                noticed = True
 
 
 class OrderedPool(Generic[T]):
@@ -32,7 +141,8 @@ class OrderedPool(Generic[T]):
 
     Args:
         tasks: The tasks, taken lazily (under the pool's lock) as threads become free.
-        work: Called in a pool thread; its return value or exception is the task's result.
+        work: Called in a pool thread; its return value or exception is the task's result. Long work
+            calls :func:`~threadloader._cancel.check_cancelled` between its steps, so ``close()`` ends it.
         num_threads: Threads to start; ``thread_index`` is ``0..num_threads-1``, stable per thread.
         window: Most tasks taken but not yet handed to the consumer (the memory bound).
         name: Prefix of the threads' names, to find them in a debugger or ``threading.enumerate()``.
@@ -55,23 +165,31 @@ class OrderedPool(Generic[T]):
         self._handed = 0  # results handed to the consumer so far
         self._end: int | None = None  # number of tasks, once the iterator is exhausted
         self._results: dict[int, tuple[bool, Any]] = {}
-        self._closed = False
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}", daemon=True)
-            for i in range(num_threads)
-        ]
-        _open_pools.add(self)
-        for thread in self._threads:
-            thread.start()
+        self._closed_error: Callable[[], BaseException] | None = None  # set once, by the first close
+        self._group = ThreadGroup(
+            name=name,
+            count=num_threads,
+            target=self._run,
+            wake=functools.partial(self._shut, _exiting),
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Whether the pool was closed (its ``next()`` raises the error it was closed with)."""
+        return self._closed_error is not None
 
     def next(self) -> T:
         """Returns the next result in task order, re-raising the task's exception.
 
         Raises:
-            StopIteration: After the last task's result, or once the pool is closed.
+            StopIteration: After the last task's result.
+            BaseException: Once the pool is closed, the error given to :meth:`close`, also in a call that
+                was already waiting.
         """
         with self._cv:
             while True:
+                if self._closed_error is not None:
+                    raise self._closed_error()
                 if self._handed in self._results:
                     ok, value = self._results.pop(self._handed)
                     self._handed += 1
@@ -79,36 +197,43 @@ class OrderedPool(Generic[T]):
                     if ok:
                         return value
                     raise value
-                if self._closed or (self._end is not None and self._handed >= self._end):
+                if self._end is not None and self._handed >= self._end:
                     raise StopIteration
-                if not any(thread.is_alive() for thread in self._threads):
+                if not any(thread.is_alive() for thread in self._group.threads):
                     raise RuntimeError("all reader threads ended without producing the next batch")
-                self._cv.wait(_POLL)
+                self._cv.wait(POLL)
 
-    def close(self) -> None:
-        """Stops taking tasks, drops pending results and joins the threads (each finishes its task)."""
-        with self._cv:
-            self._closed = True
-            self._results.clear()
-            self._cv.notify_all()
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        current = threading.current_thread()
-        for thread in self._threads:
-            if thread is not current:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        _open_pools.discard(self)
+    def close(self, error: Callable[[], BaseException] = StopIteration) -> None:
+        """Stops taking tasks, drops pending results, cancels the work in progress and joins the threads.
+
+        Threads end at their next cancellation check; this waits up to :data:`JOIN_TIMEOUT` for that.
+
+        Args:
+            error: Makes what ``next()`` raises from now on (the first close decides); the default
+                ends an iteration as if the tasks were exhausted.
+        """
+        self._shut(error)
+        self._group.cancel()
+        self._group.join(JOIN_TIMEOUT)
 
     @property
     def threads(self) -> list[threading.Thread]:
         """The pool's threads (for tests and diagnostics)."""
-        return list(self._threads)
+        return self._group.threads
+
+    def _shut(self, error: Callable[[], BaseException]) -> None:
+        with self._cv:
+            if self._closed_error is None:
+                self._closed_error = error
+            self._results.clear()
+            self._cv.notify_all()
 
     def _run(self, index: int) -> None:
         while True:
             with self._cv:
-                while not self._closed and self._end is None and self._taken >= self._handed + self._window:
+                while not self.closed and self._end is None and self._taken >= self._handed + self._window:
                     self._cv.wait()
-                if self._closed or self._end is not None:
+                if self.closed or self._end is not None:
                     return
                 seq = self._taken
                 try:
@@ -125,17 +250,14 @@ class OrderedPool(Generic[T]):
                 self._taken += 1
             try:
                 result: tuple[bool, Any] = (True, self._work(task, index))
-            except BaseException as exc:
+            except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below
                 result = (False, exc)
             with self._cv:
-                if self._closed:
+                if self.closed:
                     return
                 self._results[seq] = result
                 self._cv.notify_all()
 
 
-@atexit.register
-def _close_open_pools() -> None:
-    """Joins reader threads before the interpreter tears down the libraries they are calling into."""
-    for pool in list(_open_pools):
-        pool.close()
+def _exiting() -> LoaderClosedError:
+    return LoaderClosedError("the interpreter is exiting: its exit hook closed this loader")

@@ -12,7 +12,7 @@ import collections
 import functools
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -330,10 +330,15 @@ class ThreadLoader:
         return self._stats.snapshot()
 
     def close(self) -> None:
-        """Stops every iteration of this loader; its reader threads end within a second. Idempotent."""
+        """Stops every iteration of this loader, from any thread. Idempotent.
+
+        Reader threads stop at their next step (a sample, an image, a batch); this waits up to a second
+        for them. An iteration's next ``next()``, and one already waiting in another thread, raises
+        :class:`LoaderClosedError` rather than ending the loop as if the epoch were complete.
+        """
         self._closed = True
         for iterator in list(self._iterators):
-            iterator.close()
+            iterator.close(error=_closed_error)
 
     def __enter__(self) -> ThreadLoader:
         return self
@@ -392,20 +397,28 @@ class _EpochIterator:
 
     def _next_batch(self) -> Batch:
         while True:
-            while not self._pending:
+            # A closed pool raises what it was closed with, even with batches of its last group left.
+            if self._pool.closed or not self._pending:
                 with self._stats.timed("wait"):
                     self._pending.extend(self._pool.next())
-            outcome = self._pending.popleft()
+                continue
+            try:
+                outcome = self._pending.popleft()
+            except IndexError:  # emptied by close() in another thread
+                continue
             if isinstance(outcome, SampleError):
                 raise outcome
             self._progress.consumed += 1
             if outcome is not None:
                 return outcome
 
-    def close(self) -> None:
-        """Stops this pass; its threads end within a second."""
+    def close(self, *, error: Callable[[], BaseException] = StopIteration) -> None:
+        """Stops this pass; ``next()`` then raises ``error()`` (the first close decides).
+
+        The default ends the pass as a closed generator does; reader threads stop at their next step.
+        """
         self._pending.clear()
-        self._pool.close()
+        self._pool.close(error)
 
     def __del__(self) -> None:
         if getattr(self, "_pool", None) is not None:
@@ -453,3 +466,10 @@ def _known_length(plan: BatchPlan, *, default: int) -> int:
         return len(plan)
     except TypeError:
         return default
+
+
+def _closed_error() -> LoaderClosedError:
+    return LoaderClosedError(
+        "this ThreadLoader was closed while this pass was running (close(), or its with block ended); "
+        "create a new one to iterate again"
+    )

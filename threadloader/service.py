@@ -11,12 +11,11 @@ Each caller gets its own image through a ``concurrent.futures.Future``.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
+import functools
 import itertools
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,10 +25,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ._cancel import Cancelled
 from ._device import set_up_decoding
 from ._handoff import ReaderStream
 from ._pipeline import Batch, BatchProducer
 from ._stats import STAGES, StatsRecorder
+from ._workers import JOIN_TIMEOUT, POLL, ThreadGroup
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
 from .transforms import OutputFormat, Transform, as_transform, stacking_size
@@ -38,16 +39,11 @@ __all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
 
 WhenFull = Literal["block", "raise"]
 
-#: Seconds ``close(cancel_pending=True)`` waits for the workers to finish the batch each is on.
-JOIN_TIMEOUT = 1.0
 #: Requests whose latency :meth:`BatchDecoder.stats` summarizes (the most recent ones).
 LATENCY_WINDOW = 10_000
-#: Longest a thread waits before checking again whether the service closed (wake-ups are immediate).
-_POLL = 0.5
 #: How often :meth:`BatchDecoder.adecode` retries a full queue without blocking the event loop.
 _ASYNC_RETRY = 0.002
 
-_open_services: weakref.WeakSet[BatchDecoder] = weakref.WeakSet()
 _service_numbers = itertools.count()
 
 
@@ -137,7 +133,7 @@ class _RequestQueue:
         with self._lock:
             deadline = None if wait is None else time.monotonic() + wait
             while len(self._items) >= self._capacity and not self.closed:
-                remaining = _POLL if deadline is None else deadline - time.monotonic()
+                remaining = POLL if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     self.rejected += 1
                     raise QueueFullError(
@@ -145,7 +141,7 @@ class _RequestQueue:
                         f"max_queue={self._capacity}): the service is overloaded; retry later or raise "
                         "max_queue"
                     )
-                self._not_full.wait(min(remaining, _POLL))
+                self._not_full.wait(min(remaining, POLL))
             if self.closed:
                 raise LoaderClosedError("this BatchDecoder was closed; create a new one to decode")
             future: Future[torch.Tensor] = Future()
@@ -167,7 +163,7 @@ class _RequestQueue:
             while not self._items:
                 if self.closed:
                     return None
-                self._not_empty.wait(_POLL)
+                self._not_empty.wait(POLL)
             deadline = self._items[0].submitted + self._max_delay
             batch: list[_Request] = []
             while len(batch) < self._max_batch:
@@ -264,6 +260,11 @@ class _Engine:
         self.metrics.batch(len(requests))
         try:
             self._decode(requests, reader)
+        except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
+            for request in requests:
+                if not request.future.done():
+                    self._answer(request, error=LoaderClosedError(_CLOSED_WHILE_DECODING))
+            raise
         except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
             for request in requests:
                 if not request.future.done():
@@ -306,6 +307,9 @@ class _Engine:
             request.future.set_exception(error)
 
 
+_CLOSED_WHILE_DECODING = "the interpreter is exiting: its BatchDecoder stopped while decoding this request"
+
+
 def _request_error(request: _Request, error: SampleError | None) -> SampleError:
     """The pipeline's error for a rejected image, renamed after the request rather than its batch slot."""
     origin = f"request {request.number}, {len(request.data)} bytes"
@@ -314,11 +318,11 @@ def _request_error(request: _Request, error: SampleError | None) -> SampleError:
     return SampleError(index=request.number, origin=origin, stage=stage, reason=reason)
 
 
-def _serve(queue: _RequestQueue, engine: _Engine, reader: ReaderStream) -> None:
-    """A worker thread: gathers micro-batches and decodes them until the queue is closed and drained."""
+def _serve(queue: _RequestQueue, engine: _Engine, readers: list[ReaderStream], index: int) -> None:
+    """Worker ``index``: gathers micro-batches and decodes them until the queue is closed and drained."""
     while (requests := queue.gather()) is not None:
         if requests:
-            engine.run(requests, reader)
+            engine.run(requests, readers[index])
 
 
 class BatchDecoder:
@@ -423,19 +427,16 @@ class BatchDecoder:
             metrics=self._metrics,
         )
         self._queue = _RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
-        number = next(_service_numbers)
-        self._threads = [
-            threading.Thread(
-                target=_serve,
-                args=(self._queue, engine, ReaderStream(self.device)),
-                name=f"threadloader-service{number}-{i}",
-                daemon=True,
-            )
-            for i in range(self.num_threads)
-        ]
-        _open_services.add(self)
-        for thread in self._threads:
-            thread.start()
+        readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
+        # The workers see the queue and the engine, never the service: dropping it runs its finalizer.
+        # Interpreter exit cancels the group: queued requests are cancelled, batches being decoded stop
+        # at their next step and fail their requests with LoaderClosedError.
+        self._group = ThreadGroup(
+            name=f"threadloader-service{next(_service_numbers)}",
+            count=self.num_threads,
+            target=functools.partial(_serve, self._queue, engine, readers),
+            wake=functools.partial(self._queue.close, cancel_pending=True),
+        )
 
     def submit(self, data: Encoded, *, timeout: float | None = None) -> Future[torch.Tensor]:
         """Queues one encoded image; the future's result is its ``(3, H, W)`` tensor.
@@ -525,17 +526,13 @@ class BatchDecoder:
                 are joined within about a second.
         """
         self._queue.close(cancel_pending=cancel_pending)
-        deadline = time.monotonic() + JOIN_TIMEOUT if cancel_pending else None
-        current = threading.current_thread()  # close() may run in a worker, from a done-callback
-        for thread in self._threads:
-            if thread is not current:
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        _open_services.discard(self)
+        # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
+        self._group.join(JOIN_TIMEOUT if cancel_pending else None)
 
     @property
     def threads(self) -> list[threading.Thread]:
         """The worker threads (for tests and diagnostics)."""
-        return list(self._threads)
+        return self._group.threads
 
     def _caller_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -548,7 +545,7 @@ class BatchDecoder:
 
     def __del__(self) -> None:
         # A finalizer must not block on queued work: holders of pending futures get CancelledError.
-        if getattr(self, "_threads", None) is not None:
+        if getattr(self, "_group", None) is not None:
             self.close(cancel_pending=True)
 
     def __repr__(self) -> str:
@@ -567,10 +564,3 @@ def _checked(data: object) -> Encoded:
             "pass the file's contents (open(path, 'rb').read()), not its path"
         )
     return data
-
-
-@atexit.register
-def _close_open_services() -> None:
-    """Joins worker threads before the interpreter tears down the libraries they are calling into."""
-    for service in list(_open_services):
-        service.close(cancel_pending=True)

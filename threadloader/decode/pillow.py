@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from .._cancel import check_cancelled
 from .._stats import StatsRecorder
 from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 
@@ -65,6 +66,7 @@ class PillowDecoder(ImageDecoder):
         batch = DecodedBatch(images=[])
         with stats.timed("decode"):
             for position, data in enumerate(encoded):
+                check_cancelled()  # large images make a long batch: stop between them
                 try:
                     batch.images.append(torch.from_numpy(decode_rgb(data, max_pixels=self._max_pixels)))
                 except Exception as exc:
