@@ -625,6 +625,52 @@ def test_cuda_device_without_gpu_is_explained(blobs: list[bytes]) -> None:
         ThreadLoader(blobs, device="cuda")
 
 
+@pytest.mark.parametrize(
+    ("codec_cuda", "torch_cuda", "warned"),
+    [(12080, "13.0", True), (13000, "12.8", True), (12080, "12.4", False), (13000, "13.0", False)],
+)
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_cuda_major_mismatch_between_codec_and_torch_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    codec_cuda: int,
+    torch_cuda: str,
+    warned: bool,
+    device: str | None,
+) -> None:
+    """A cu12 codec beside a CUDA 13 torch (pip's default) is said at start-up, with the fix."""
+    import sys
+    import types
+
+    from threadloader import _device as device_module
+
+    nvidia = types.ModuleType("nvidia")
+    codec = types.ModuleType("nvidia.nvimgcodec")
+    codec.__cuda_version__ = codec_cuda  # type: ignore[attr-defined]  # as nvImageCodec: CUDART_VERSION
+    nvidia.nvimgcodec = codec  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", codec)
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device_module.check_cuda_versions.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="threadloader"):
+            assert device_module.resolve_device(device) == torch.device("cuda", 0)
+            device_module.resolve_device(device)  # said once, not per loader
+    finally:
+        device_module.check_cuda_versions.cache_clear()
+    messages = [r.getMessage() for r in caplog.records if r.name == "threadloader"]
+    if not warned:
+        assert messages == []
+        return
+    (message,) = messages
+    ours, theirs = int(torch_cuda.split(".")[0]), codec_cuda // 1000
+    assert f"nvImageCodec is built for CUDA {theirs} but torch for CUDA {ours}" in message
+    assert f"threadloader[cu{ours}]" in message and f"nvidia-nvimgcodec-cu{theirs}" in message
+
+
 # --------------------------------------------------------------------------------------------- errors
 
 
