@@ -4,8 +4,10 @@ guards that reader threads are gone after each test."""
 from __future__ import annotations
 
 import io
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,6 +79,20 @@ def with_gray_sampling(data: bytes, factors: int = 0x22) -> bytes:
     patched = bytearray(data)
     patched[sof + 11] = factors  # FF C0, length(2), precision, height(2), width(2), Nf, C1, H1V1
     return bytes(patched)
+
+
+def header_only_png(width: int, height: int) -> bytes:
+    """A PNG that declares ``width x height`` RGB pixels and holds none: a decompression bomb's header.
+
+    Its header opens; decoding it fails. So a pixel limit that answers "over the limit" for it was
+    checked from the header, before any decoding.
+    """
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
 
 
 def pil_reference(data: bytes) -> np.ndarray:

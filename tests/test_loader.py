@@ -19,6 +19,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     Dataset,
+    DistributedSampler,
     IterableDataset,
     SequentialSampler,
     SubsetRandomSampler,
@@ -407,6 +408,44 @@ def test_subset_random_sampler_with_generator(indexed: list[tuple[bytes, int]]) 
         expected = [int(i) for i in twin]
         assert sorted(expected) == subset
         assert epoch(loader) == chunks(expected, 3)
+
+
+def test_set_epoch_is_forwarded_to_a_distributed_sampler(indexed: list[tuple[bytes, int]]) -> None:
+    sampler = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=5)
+    twin = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=5)
+    loader = ThreadLoader(indexed, batch_size=3, sampler=sampler, num_threads=2)
+    orders = []
+    for number in (3, 0, 7):
+        loader.set_epoch(number)
+        twin.set_epoch(number)
+        orders.append(epoch(loader))
+        assert orders[-1] == chunks([int(i) for i in twin], 3), f"epoch {number}"
+    assert len({tuple(flat(order)) for order in orders}) == 3  # the epoch changes the order
+    twin.set_epoch(8)  # without set_epoch, the loader counts on from the last epoch
+    assert epoch(loader) == chunks([int(i) for i in twin], 3)
+
+
+def test_set_epoch_is_forwarded_to_a_batch_sampler(indexed: list[tuple[bytes, int]]) -> None:
+    class EpochBatches:
+        """Batches that depend on the epoch, as a user's distributed batch sampler's do."""
+
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __len__(self) -> int:
+            return 2
+
+        def __iter__(self):
+            yield [self.epoch % 20, (self.epoch + 1) % 20]
+            yield [(self.epoch + 2) % 20]
+
+    loader = ThreadLoader(indexed, batch_sampler=EpochBatches(), num_threads=2)
+    loader.set_epoch(5)
+    assert epoch(loader) == [[5, 6], [7]]
+    assert epoch(loader) == [[6, 7], [8]]
 
 
 @pytest.mark.parametrize("kind", ["list", "torch"])

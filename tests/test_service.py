@@ -28,7 +28,7 @@ from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
 from threadloader.decode.base import RegionOf
 from threadloader.service import QueueFullError
 
-from .conftest import encode, mean_abs_diff, photo, pil_reference, reader_threads
+from .conftest import encode, header_only_png, mean_abs_diff, photo, pil_reference, reader_threads
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 N = 48
@@ -289,6 +289,8 @@ def test_pixel_limit_fails_the_request(blobs: list[bytes], refs: list[np.ndarray
     with BatchDecoder(device="cpu", max_pixels=30 * 40) as service:
         with pytest.raises(SampleError, match="over the limit of 1,200"):
             service.decode(big)
+        with pytest.raises(SampleError, match="limit"):  # from the header: this file has no pixel data
+            service.decode(header_only_png(4000, 3000))
         assert_image(service.decode(blobs[0]), refs[0])
 
 
