@@ -26,6 +26,7 @@ from torch.utils.data import (
 )
 
 from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 from .conftest import encode, photo, pil_reference, wait_for_no_reader_threads
 
@@ -518,6 +519,46 @@ def test_drop_last_and_partial_last_batch(
         got.append(targets.tolist())
     assert [len(b) for b in got] == sizes
     assert flat(got) == list(range(sum(sizes)))
+
+
+# ----------------------------------------------------------------------------------- random transforms
+
+
+def _crops_by_sample(
+    source: list, epoch_number: int = 2, seed: int = 3, **options
+) -> dict[int, torch.Tensor]:
+    transform = [RandomResizedCrop(16), RandomHorizontalFlip()]
+    with ThreadLoader(source, transform=transform, seed=seed, device="cpu", **options) as loader:
+        loader.set_epoch(epoch_number)
+        return {
+            t: image for images, targets in loader for image, t in zip(images, targets.tolist(), strict=True)
+        }
+
+
+def test_random_parameters_belong_to_the_sample_not_its_place(blobs: list[bytes]) -> None:
+    """Random parameters are a function of (seed, epoch, sample index) only (docs/design.md): one
+    picture under twelve indices gets twelve crops, and each index the same crop whatever batch,
+    position, group or thread it lands in."""
+    source = [(blobs[0], i) for i in range(12)]  # one picture, twelve samples
+    plain = _crops_by_sample(source, batch_size=4, num_threads=1)
+    placements = [
+        {"batch_size": 5, "sampler": [11, 3, 7, 0, 5, 9, 1, 10, 2, 8, 4, 6], "num_threads": 3},
+        {"batch_size": 3, "sampler": list(reversed(range(12))), "decode_batch_size": 12, "num_threads": 2},
+        {"batch_size": 12, "num_threads": 1},
+    ]
+    for options in placements:
+        placed = _crops_by_sample(source, **options)
+        for index in range(12):
+            # The same region and flip; resampled among other images, a value may round otherwise.
+            assert (placed[index].int() - plain[index].int()).abs().max() <= 1, (options, index)
+    distinct = {plain[i].numpy().tobytes() for i in range(12)}
+    assert len(distinct) >= 10  # every sample of a batch draws its own parameters
+    for other in (
+        _crops_by_sample(source, epoch_number=3, batch_size=4),
+        _crops_by_sample(source, seed=4, batch_size=4),
+    ):
+        changed = sum((other[i].int() - plain[i].int()).abs().max() > 1 for i in range(12))
+        assert changed >= 10  # and they depend on the epoch and the seed
 
 
 # ------------------------------------------------------------------------------------------ collation
