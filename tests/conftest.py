@@ -3,7 +3,11 @@ guards that reader threads are gone after each test."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import io
+import os
 import struct
 import threading
 import time
@@ -150,6 +154,18 @@ def image_folder(tmp_path: Path) -> Path:
     return root
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (RSS), after giving freed heap memory back where glibc can.
+
+    RSS, not tracemalloc: tracemalloc does not see torch's allocations, which are the ones that grow.
+    """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def reader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("threadloader-")]
 
@@ -166,8 +182,6 @@ def wait_for_no_reader_threads(timeout: float = 1.0) -> list[threading.Thread]:
 def no_leaked_threads() -> Iterator[None]:
     """Every test must leave no reader thread behind (the loader's shutdown contract)."""
     yield
-    import gc
-
     gc.collect()
     leaked = wait_for_no_reader_threads(timeout=2.0)
     assert not leaked, f"reader threads still alive after the test: {[t.name for t in leaked]}"

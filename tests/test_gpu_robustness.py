@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from threadloader import SampleError, ThreadLoader
 from threadloader._stats import StatsRecorder
 
-from .conftest import encode, mean_abs_diff, photo
+from .conftest import encode, mean_abs_diff, photo, resident_bytes
 from .robustness_cases import (
     BAD_INPUTS,
     GOOD,
@@ -73,6 +73,7 @@ def test_other_formats_match_the_cpu_contract(name: str) -> None:
 
 
 def test_fifty_epochs_without_growth() -> None:
+    """Neither device memory (torch's allocator) nor host memory (RSS) grows over 47 epochs."""
     samples = [(GOOD[i % 3], i) for i in range(24)]
     threads_before = threading.active_count()
     with ThreadLoader(samples, batch_size=4, size=(64, 80), dtype=torch.float32, device="cuda") as loader:
@@ -81,6 +82,7 @@ def test_fifty_epochs_without_growth() -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         allocated = torch.cuda.memory_allocated()
+        resident = resident_bytes()
         for _ in range(47):
             for _batch in loader:
                 pass
@@ -88,7 +90,11 @@ def test_fifty_epochs_without_growth() -> None:
         del _batch
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        assert torch.cuda.memory_allocated() <= allocated
+        device_growth = torch.cuda.memory_allocated() - allocated
+        host_growth = resident_bytes() - resident
+        print(f"over 47 epochs: device memory {device_growth:+,} bytes, RSS {host_growth / 2**20:+.1f} MiB")
+        assert device_growth <= 0
+        assert host_growth < 48 * 2**20
         assert loader.stats().samples == 50 * 24
 
 

@@ -28,7 +28,7 @@ from torch.utils.data import (
 from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-from .conftest import encode, photo, pil_reference, wait_for_no_reader_threads
+from .conftest import encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
 
 H, W = 32, 48
 N = 24
@@ -934,3 +934,29 @@ def test_no_processes_and_unpicklable_sources_work(blobs: list[bytes], refs: lis
         assert_pixels(images, refs, indices)
         got.extend(targets.tolist())
     assert got == [2 * i for i in range(12)]
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc (Linux)")
+def test_fifty_epochs_without_growth_in_resident_memory(blobs: list[bytes]) -> None:
+    """Batches of 2.3 MiB each, 135 of them after the warm-up: keeping any of them would show."""
+    import threading
+
+    samples = [(blobs[i % N], i) for i in range(12)]
+    threads_before = threading.active_count()
+    options = {"batch_size": 4, "size": (224, 224), "dtype": torch.float32, "num_threads": 3}
+    with ThreadLoader(samples, device="cpu", **options) as loader:  # type: ignore[arg-type]
+        for _ in range(5):  # warm-up: allocator pools, imports, caches
+            list(loader)
+        start = resident_bytes()
+        for _ in range(45):
+            for _images, _targets in loader:
+                pass
+            assert threading.active_count() == threads_before
+        del _images, _targets
+        grown = resident_bytes() - start
+        stats = loader.stats()
+    assert stats.samples == 50 * 12 and stats.batches == 50 * 3 and stats.errors == 0
+    assert grown < 48 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 45 epochs"
