@@ -3,9 +3,15 @@ guards that reader threads are gone after each test."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import io
+import os
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,6 +85,20 @@ def with_gray_sampling(data: bytes, factors: int = 0x22) -> bytes:
     return bytes(patched)
 
 
+def header_only_png(width: int, height: int) -> bytes:
+    """A PNG that declares ``width x height`` RGB pixels and holds none: a decompression bomb's header.
+
+    Its header opens; decoding it fails. So a pixel limit that answers "over the limit" for it was
+    checked from the header, before any decoding.
+    """
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 def pil_reference(data: bytes) -> np.ndarray:
     """What every decoder must produce: RGB uint8 HWC, EXIF orientation applied."""
     with Image.open(io.BytesIO(data)) as image:
@@ -91,6 +111,46 @@ def mean_abs_diff(tensor: torch.Tensor, reference: np.ndarray) -> float:
     if array.shape[0] == 3 and array.shape[-1] != 3:
         array = array.permute(1, 2, 0)
     return float(np.abs(array.numpy().astype(np.int16) - reference.astype(np.int16)).mean())
+
+
+#: The GPU path against an independent reference (Pillow's pixels), per image, in 0-255 units: the
+#: mean absolute difference, the worst pixel row's mean, and the largest single difference. nvJPEG and
+#: libjpeg round the IDCT and chroma upsampling differently (whole images: means of 0.00-0.03 measured
+#: on an H200). The row and max checks fail an image with one corrupted row, which a mean over the
+#: image (or a batch) would pass. The session's worst values are printed at the end of a GPU run.
+GPU_TOLERANCE = {"mean": 0.1, "row": 1.0, "max": 16.0}
+_WORST_GPU_DIFF: dict[str, float] = {}
+
+
+def image_diff(actual: torch.Tensor, reference: np.ndarray | torch.Tensor) -> dict[str, float]:
+    """Mean, worst-row mean and max absolute difference of two images, (3, H, W) or (H, W, 3)."""
+
+    def hwc(image: np.ndarray | torch.Tensor) -> np.ndarray:
+        array = image.detach().cpu().double().numpy() if isinstance(image, torch.Tensor) else image
+        array = np.asarray(array, dtype=np.float64)
+        return array.transpose(1, 2, 0) if array.shape[0] == 3 and array.shape[-1] != 3 else array
+
+    a, b = hwc(actual), hwc(reference)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    diff = np.abs(a - b)
+    return {"mean": float(diff.mean()), "row": float(diff.mean(axis=(1, 2)).max()), "max": float(diff.max())}
+
+
+def gpu_mismatch(actual: torch.Tensor, reference: np.ndarray | torch.Tensor) -> str | None:
+    """``None`` when a GPU output is within :data:`GPU_TOLERANCE` of its reference, else what is over."""
+    diff = image_diff(actual, reference)
+    for key, value in diff.items():
+        _WORST_GPU_DIFF[key] = max(_WORST_GPU_DIFF.get(key, 0.0), value)
+    over = [f"{key} {diff[key]:.3g} > {limit}" for key, limit in GPU_TOLERANCE.items() if diff[key] > limit]
+    return ", ".join(over) or None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _WORST_GPU_DIFF:
+        worst = ", ".join(f"{key} {value:.3f}" for key, value in _WORST_GPU_DIFF.items())
+        terminalreporter.write_line(
+            f"GPU against references, worst per image: {worst} (limits {GPU_TOLERANCE})"
+        )
 
 
 def jpeg_corpus() -> dict[str, bytes]:
@@ -134,6 +194,18 @@ def image_folder(tmp_path: Path) -> Path:
     return root
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (RSS), after giving freed heap memory back where glibc can.
+
+    RSS, not tracemalloc: tracemalloc does not see torch's allocations, which are the ones that grow.
+    """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def reader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("threadloader-")]
 
@@ -150,8 +222,6 @@ def wait_for_no_reader_threads(timeout: float = 1.0) -> list[threading.Thread]:
 def no_leaked_threads() -> Iterator[None]:
     """Every test must leave no reader thread behind (the loader's shutdown contract)."""
     yield
-    import gc
-
     gc.collect()
     leaked = wait_for_no_reader_threads(timeout=2.0)
     assert not leaked, f"reader threads still alive after the test: {[t.name for t in leaked]}"

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageFile
 
-from threadloader import ThreadLoader
+from threadloader import SampleError, ThreadLoader
 
-from .conftest import encode, mean_abs_diff, photo, pil_reference
+from .conftest import encode, header_only_png, mean_abs_diff, photo, pil_reference
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +262,30 @@ def test_channels_last_of_an_unresized_same_size_batch() -> None:
     ((images, _),) = list(ThreadLoader(data, batch_size=4, size=(32, 48), channels_last=True))
     assert images.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(images, torch.stack([torch.from_numpy(r).permute(2, 0, 1) for r in refs]))
+
+
+def test_pixel_limit_is_checked_from_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bomb is refused without decoding: its data is absent (decoding would fail otherwise) and
+    Pillow's decoder is never called for it."""
+    bomb = header_only_png(4000, 3000)
+    loads: list[tuple[int, int]] = []
+    real_load = ImageFile.ImageFile.load
+
+    def spy(image: ImageFile.ImageFile):  # type: ignore[no-untyped-def]
+        loads.append(image.size)
+        return real_load(image)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
+    good = encode(photo(40, 50), quality=90)
+    loader = ThreadLoader([good, bomb], batch_size=2, max_pixels=1_000_000, num_threads=1)
+    with loader, pytest.raises(SampleError) as caught:
+        list(loader)
+    error = caught.value
+    assert (error.index, error.stage) == (1, "decode")
+    assert "limit" in error.reason.lower()
+    assert (4000, 3000) not in loads and (50, 40) in loads  # the good image was decoded, the bomb not
+    # Under the limit, the same file reaches the decoder, which fails on it: the header alone spoke.
+    loader = ThreadLoader([bomb], batch_size=1, max_pixels=None)
+    with loader, pytest.raises(SampleError) as caught:
+        list(loader)
+    assert "limit" not in caught.value.reason.lower() and (4000, 3000) in loads

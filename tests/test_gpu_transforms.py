@@ -5,6 +5,7 @@ Run on a machine with an NVIDIA GPU and nvImageCodec: ``python -m pytest -m gpu 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,13 +21,10 @@ from threadloader.transforms import (
     resample_many,
 )
 
-from .conftest import jpeg_corpus, photo
+from .conftest import gpu_mismatch, jpeg_corpus, photo
+from .golden import make_golden as golden
 
 pytestmark = pytest.mark.gpu
-
-#: Mean absolute difference allowed per image, 0-255 units: nvJPEG against libjpeg (measured 0.00-0.03
-#: on whole images) plus region edges and resampling order.
-TOLERANCE = 1.0
 
 #: Every JPEG of the corpus (gray, CMYK, progressive, subsampling, 1x1, all EXIF orientations), twice.
 SAMPLES = [(data, i) for i, (_, data) in enumerate(sorted(jpeg_corpus().items()) * 2)]
@@ -45,8 +43,10 @@ def _crops(device: str, *, num_threads: int = 2, seed: int = 5) -> tuple[dict[in
         return images, loader.stats()
 
 
-def _mad(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().mean())
+def _far(ours: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> dict[int, str]:
+    """The crops out of GPU_TOLERANCE of the reference's (nvJPEG against libjpeg, region edges)."""
+    found = {i: gpu_mismatch(ours[i], reference[i]) for i in ours}
+    return {i: problem for i, problem in found.items() if problem is not None}
 
 
 def test_region_decoding_gives_the_cpu_paths_crops() -> None:
@@ -54,8 +54,7 @@ def test_region_decoding_gives_the_cpu_paths_crops() -> None:
     cpu, _ = _crops("cpu")
     assert stats.region_decodes >= len(SAMPLES) // 2  # type: ignore[attr-defined]
     assert sorted(gpu) == sorted(cpu) == list(range(len(SAMPLES)))
-    far = {i: _mad(gpu[i], cpu[i]) for i in gpu if _mad(gpu[i], cpu[i]) > TOLERANCE}
-    assert far == {}
+    assert _far(gpu, cpu) == {}
 
 
 def test_region_decoding_equals_whole_decode_and_crop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,8 +62,7 @@ def test_region_decoding_equals_whole_decode_and_crop(monkeypatch: pytest.Monkey
     monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
     whole, without = _crops("cuda")
     assert with_regions.region_decodes > 0 and without.region_decodes == 0  # type: ignore[attr-defined]
-    far = {i: _mad(regions[i], whole[i]) for i in regions if _mad(regions[i], whole[i]) > TOLERANCE}
-    assert far == {}
+    assert _far(regions, whole) == {}
 
 
 def test_a_gpu_failing_the_region_check_decodes_whole_images(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,7 +71,7 @@ def test_a_gpu_failing_the_region_check_decodes_whole_images(monkeypatch: pytest
     images, stats = _crops("cuda")
     reference, _ = _crops("cpu")
     assert stats.region_decodes == 0  # type: ignore[attr-defined]
-    assert all(_mad(images[i], reference[i]) <= TOLERANCE for i in images)
+    assert _far(images, reference) == {}
 
 
 def test_the_region_check_passes_on_this_gpu() -> None:
@@ -143,4 +141,28 @@ def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(
     assert stats.region_decodes == 0  # type: ignore[attr-defined]
     assert stats.cpu_fallbacks == whole.cpu_fallbacks  # type: ignore[attr-defined]  # retried on the GPU
     assert any("region decoding failed" in record.getMessage() for record in caplog.records)
-    assert all(_mad(images[i], reference[i]) <= TOLERANCE for i in images)
+    assert _far(images, reference) == {}
+
+
+def test_transforms_on_cuda_tensors_match_torchvision() -> None:
+    """The transforms on CUDA tensors against torchvision's outputs (tests/golden; test_golden.py runs
+    the same cases on the CPU)."""
+    with np.load(golden.PATH) as saved:
+        reference = {key: saved[key] for key in saved.files}
+    image = golden.chw(reference["input/image"]).cuda()
+
+    def within_one(ours: torch.Tensor, key: str) -> None:
+        diff = (ours.cpu().int() - torch.from_numpy(reference[key]).int()).abs()
+        assert int(diff.max()) <= 1 and float(diff.float().mean()) <= 0.3, key
+
+    for key, size in golden.RESIZE_SIZES.items():
+        within_one(Resize(size)(image), f"resize/{key}/uint8")
+        expected = torch.from_numpy(reference[f"resize/{key}/float32"])
+        torch.testing.assert_close(Resize(size)(image.float() / 255).cpu(), expected, rtol=0, atol=1e-5)
+    for key, size in golden.CENTER_CROP_SIZES.items():
+        assert np.array_equal(CenterCrop(size)(image).cpu().numpy(), reference[f"center_crop/{key}"]), key
+    for seed in golden.CROP_SEEDS:
+        crop = RandomResizedCrop(golden.CROP_SIZE)(image, generator=torch.Generator().manual_seed(seed))
+        within_one(crop, f"random_resized_crop/{seed}")
+    normalized = Normalize(golden.MEAN, golden.STD)(ToDtype(torch.float32, scale=True)(image)).cpu()
+    torch.testing.assert_close(normalized, torch.from_numpy(reference["normalize"]), rtol=0, atol=1e-5)

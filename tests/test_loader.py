@@ -19,14 +19,16 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     Dataset,
+    DistributedSampler,
     IterableDataset,
     SequentialSampler,
     SubsetRandomSampler,
 )
 
 from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-from .conftest import encode, photo, pil_reference, wait_for_no_reader_threads
+from .conftest import encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
 
 H, W = 32, 48
 N = 24
@@ -409,6 +411,44 @@ def test_subset_random_sampler_with_generator(indexed: list[tuple[bytes, int]]) 
         assert epoch(loader) == chunks(expected, 3)
 
 
+def test_set_epoch_is_forwarded_to_a_distributed_sampler(indexed: list[tuple[bytes, int]]) -> None:
+    sampler = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=5)
+    twin = DistributedSampler(range(20), num_replicas=2, rank=1, shuffle=True, seed=5)
+    loader = ThreadLoader(indexed, batch_size=3, sampler=sampler, num_threads=2)
+    orders = []
+    for number in (3, 0, 7):
+        loader.set_epoch(number)
+        twin.set_epoch(number)
+        orders.append(epoch(loader))
+        assert orders[-1] == chunks([int(i) for i in twin], 3), f"epoch {number}"
+    assert len({tuple(flat(order)) for order in orders}) == 3  # the epoch changes the order
+    twin.set_epoch(8)  # without set_epoch, the loader counts on from the last epoch
+    assert epoch(loader) == chunks([int(i) for i in twin], 3)
+
+
+def test_set_epoch_is_forwarded_to_a_batch_sampler(indexed: list[tuple[bytes, int]]) -> None:
+    class EpochBatches:
+        """Batches that depend on the epoch, as a user's distributed batch sampler's do."""
+
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __len__(self) -> int:
+            return 2
+
+        def __iter__(self):
+            yield [self.epoch % 20, (self.epoch + 1) % 20]
+            yield [(self.epoch + 2) % 20]
+
+    loader = ThreadLoader(indexed, batch_sampler=EpochBatches(), num_threads=2)
+    loader.set_epoch(5)
+    assert epoch(loader) == [[5, 6], [7]]
+    assert epoch(loader) == [[6, 7], [8]]
+
+
 @pytest.mark.parametrize("kind", ["list", "torch"])
 def test_batch_sampler(indexed: list[tuple[bytes, int]], refs: list[np.ndarray], kind: str) -> None:
     if kind == "list":
@@ -479,6 +519,46 @@ def test_drop_last_and_partial_last_batch(
         got.append(targets.tolist())
     assert [len(b) for b in got] == sizes
     assert flat(got) == list(range(sum(sizes)))
+
+
+# ----------------------------------------------------------------------------------- random transforms
+
+
+def _crops_by_sample(
+    source: list, epoch_number: int = 2, seed: int = 3, **options
+) -> dict[int, torch.Tensor]:
+    transform = [RandomResizedCrop(16), RandomHorizontalFlip()]
+    with ThreadLoader(source, transform=transform, seed=seed, device="cpu", **options) as loader:
+        loader.set_epoch(epoch_number)
+        return {
+            t: image for images, targets in loader for image, t in zip(images, targets.tolist(), strict=True)
+        }
+
+
+def test_random_parameters_belong_to_the_sample_not_its_place(blobs: list[bytes]) -> None:
+    """Random parameters are a function of (seed, epoch, sample index) only (docs/design.md): one
+    picture under twelve indices gets twelve crops, and each index the same crop whatever batch,
+    position, group or thread it lands in."""
+    source = [(blobs[0], i) for i in range(12)]  # one picture, twelve samples
+    plain = _crops_by_sample(source, batch_size=4, num_threads=1)
+    placements = [
+        {"batch_size": 5, "sampler": [11, 3, 7, 0, 5, 9, 1, 10, 2, 8, 4, 6], "num_threads": 3},
+        {"batch_size": 3, "sampler": list(reversed(range(12))), "decode_batch_size": 12, "num_threads": 2},
+        {"batch_size": 12, "num_threads": 1},
+    ]
+    for options in placements:
+        placed = _crops_by_sample(source, **options)
+        for index in range(12):
+            # The same region and flip; resampled among other images, a value may round otherwise.
+            assert (placed[index].int() - plain[index].int()).abs().max() <= 1, (options, index)
+    distinct = {plain[i].numpy().tobytes() for i in range(12)}
+    assert len(distinct) >= 10  # every sample of a batch draws its own parameters
+    for other in (
+        _crops_by_sample(source, epoch_number=3, batch_size=4),
+        _crops_by_sample(source, seed=4, batch_size=4),
+    ):
+        changed = sum((other[i].int() - plain[i].int()).abs().max() > 1 for i in range(12))
+        assert changed >= 10  # and they depend on the epoch and the seed
 
 
 # ------------------------------------------------------------------------------------------ collation
@@ -623,6 +703,52 @@ def test_invalid_options_raise_value_error(blobs: list[bytes], options: dict, me
 def test_cuda_device_without_gpu_is_explained(blobs: list[bytes]) -> None:
     with pytest.raises(RuntimeError, match="no CUDA GPU is usable here; pass device='cpu'"):
         ThreadLoader(blobs, device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("codec_cuda", "torch_cuda", "warned"),
+    [(12080, "13.0", True), (13000, "12.8", True), (12080, "12.4", False), (13000, "13.0", False)],
+)
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_cuda_major_mismatch_between_codec_and_torch_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    codec_cuda: int,
+    torch_cuda: str,
+    warned: bool,
+    device: str | None,
+) -> None:
+    """A cu12 codec beside a CUDA 13 torch (pip's default) is said at start-up, with the fix."""
+    import sys
+    import types
+
+    from threadloader import _device as device_module
+
+    nvidia = types.ModuleType("nvidia")
+    codec = types.ModuleType("nvidia.nvimgcodec")
+    codec.__cuda_version__ = codec_cuda  # type: ignore[attr-defined]  # as nvImageCodec: CUDART_VERSION
+    nvidia.nvimgcodec = codec  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", codec)
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device_module.check_cuda_versions.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="threadloader"):
+            assert device_module.resolve_device(device) == torch.device("cuda", 0)
+            device_module.resolve_device(device)  # said once, not per loader
+    finally:
+        device_module.check_cuda_versions.cache_clear()
+    messages = [r.getMessage() for r in caplog.records if r.name == "threadloader"]
+    if not warned:
+        assert messages == []
+        return
+    (message,) = messages
+    ours, theirs = int(torch_cuda.split(".")[0]), codec_cuda // 1000
+    assert f"nvImageCodec is built for CUDA {theirs} but torch for CUDA {ours}" in message
+    assert f"threadloader[cu{ours}]" in message and f"nvidia-nvimgcodec-cu{theirs}" in message
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -808,3 +934,29 @@ def test_no_processes_and_unpicklable_sources_work(blobs: list[bytes], refs: lis
         assert_pixels(images, refs, indices)
         got.extend(targets.tolist())
     assert got == [2 * i for i in range(12)]
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc (Linux)")
+def test_fifty_epochs_without_growth_in_resident_memory(blobs: list[bytes]) -> None:
+    """Batches of 2.3 MiB each, 135 of them after the warm-up: keeping any of them would show."""
+    import threading
+
+    samples = [(blobs[i % N], i) for i in range(12)]
+    threads_before = threading.active_count()
+    options = {"batch_size": 4, "size": (224, 224), "dtype": torch.float32, "num_threads": 3}
+    with ThreadLoader(samples, device="cpu", **options) as loader:  # type: ignore[arg-type]
+        for _ in range(5):  # warm-up: allocator pools, imports, caches
+            list(loader)
+        start = resident_bytes()
+        for _ in range(45):
+            for _images, _targets in loader:
+                pass
+            assert threading.active_count() == threads_before
+        del _images, _targets
+        grown = resident_bytes() - start
+        stats = loader.stats()
+    assert stats.samples == 50 * 12 and stats.batches == 50 * 3 and stats.errors == 0
+    assert grown < 48 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 45 epochs"

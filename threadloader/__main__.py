@@ -1,22 +1,32 @@
-"""``python -m threadloader [DIR]``: load a folder (or the bundled sample photos) and print throughput.
+"""python -m threadloader [DIR]: load a folder (or the bundled sample photos) and print throughput.
 
 The quickest check that an installation works and decodes where you expect: on the GPU when one and
-nvImageCodec are usable, else on the CPU with Pillow.
+nvImageCodec are usable, else on the CPU with Pillow. User errors (a missing or empty folder, bad
+options, a bad image) print one line and exit with a non-zero status, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from typing import NoReturn
 
 import torch
 from PIL import Image
 
-from . import ThreadLoader
+from . import ThreadLoader, ThreadLoaderError
+
+PROG = "python -m threadloader"
+
+
+class UsageError(Exception):
+    """A mistake in how the command was called: reported in one line, exit status 2."""
 
 
 def sample_photos(count: int, *, side: int = 256, seed: int = 0) -> list[tuple[bytes, int]]:
@@ -48,47 +58,122 @@ def sample_photos(count: int, *, side: int = 256, seed: int = 0) -> list[tuple[b
         return list(pool.map(make, range(count)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Runs the demo: a few epochs over the data, then one line of throughput."""
-    parser = argparse.ArgumentParser(prog="python -m threadloader", description=__doc__.splitlines()[0])
-    parser.add_argument("folder", nargs="?", help="an ImageFolder directory (default: bundled sample photos)")
-    parser.add_argument("--count", type=int, default=1024, help="sample images to generate (default 1024)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--size", type=int, default=224, help="output side (default 224)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: GPU if usable)")
-    args = parser.parse_args(argv)
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option is one line (argparse prints the usage block first)."""
 
-    source = args.folder or sample_photos(args.count)
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {PROG} --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Load an image folder (one sub-folder per class), or photos made from the bundled samples, "
+            "and print the throughput: on the GPU when one and nvImageCodec are usable, else on the CPU."
+        ),
+    )
+    parser.add_argument("folder", nargs="?", help="image folder, a sub-folder per class (default: samples)")
+    parser.add_argument("--count", type=_positive_int, default=1024, help="sample photos (default 1024)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="images per batch (default 64)")
+    parser.add_argument("--size", type=_positive_int, default=224, help="output side in pixels (default 224)")
+    parser.add_argument("--epochs", type=_positive_int, default=3, help="passes over the data (default 3)")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the GPU if usable)")
+    parser.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a bad image stops the run (raise, the default) or is left out and counted (skip)",
+    )
+    return parser
+
+
+def _source(folder: str | None, count: int) -> str | list[tuple[bytes, int]]:
+    if folder is None:
+        return sample_photos(count)
+    if not os.path.exists(folder):
+        raise UsageError(f"no such folder: {folder!r}")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{folder!r} is a file; give a folder with one sub-folder per class")
+    return folder
+
+
+def run(args: argparse.Namespace) -> str:
+    """A few epochs over the data; returns the line of throughput to print."""
+    source = _source(args.folder, args.count)
     start = time.perf_counter()
-    with ThreadLoader(
-        source,
-        batch_size=args.batch_size,
-        shuffle=True,
-        seed=0,
-        size=(args.size, args.size),
-        dtype=torch.float32,
-        device=args.device,
-    ) as loader:
+    try:
+        loader = ThreadLoader(
+            source,
+            batch_size=args.batch_size,
+            shuffle=True,
+            seed=0,
+            size=(args.size, args.size),
+            dtype=torch.float32,
+            device=args.device,
+            on_error=args.on_error,
+        )
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as exc:
+        raise UsageError(str(exc)) from exc
+    with loader:
         device = loader.device
         sync = torch.cuda.current_stream(device).synchronize if device.type == "cuda" else (lambda: None)
-        next(iter(loader))
-        sync()
-        first = time.perf_counter() - start
-        images = 0
-        start = time.perf_counter()
+        first: float | None = None
+        counted = 0  # images after the first batch, which also pays for start-up
         for _ in range(args.epochs):
             for batch, _targets in loader:
-                images += batch.shape[0]
+                if first is None:
+                    sync()
+                    first, timed = time.perf_counter() - start, time.perf_counter()
+                else:
+                    counted += batch.shape[0]
         sync()
-        elapsed = time.perf_counter() - start
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Pillow)"
-        print(
-            f"threadloader: {images / elapsed:,.0f} images/s on {device} ({where}); {images} images of "
-            f"{args.size}x{args.size} in batches of {args.batch_size}, {loader.num_threads} threads; "
-            f"first batch after {first:.2f} s"
-        )
+        elapsed = time.perf_counter() - timed if first is not None else 0.0
+        bad = loader.stats().skipped // args.epochs
+    if first is None:
+        raise ThreadLoaderError(f"no image could be loaded: every one of the {bad} was bad and skipped")
+    where = (
+        f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "the CPU (Pillow)"
+    )
+    rate = f"{counted / elapsed:,.0f} images/s" if counted else "too few images to time"
+    skipped = f"; {bad} bad images skipped" if bad else ""
+    return (
+        f"threadloader: {rate} on {where}; {args.epochs} epoch(s) of {args.size}x{args.size} "
+        f"in batches of {args.batch_size}, {loader.num_threads} threads; first batch after {first:.2f} s"
+        f"{skipped}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the demo and returns the exit status: 0, 1 for a failed run, 2 for a usage error."""
+    try:
+        args = _parser().parse_args(argv)
+        print(run(args))
+    except UsageError as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except ThreadLoaderError as exc:
+        hint = "; --on-error skip leaves bad images out" if args.on_error == "raise" else ""
+        print(f"{PROG}: error: {_one_line(exc)}{hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

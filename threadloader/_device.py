@@ -6,6 +6,7 @@ usable (a CUDA device and nvImageCodec), else the CPU with Pillow.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -17,6 +18,7 @@ from .decode.pillow import PillowDecoder
 
 __all__ = [
     "available_cpus",
+    "check_cuda_versions",
     "default_decode_batch_size",
     "default_decode_threads",
     "default_num_threads",
@@ -68,6 +70,42 @@ def _nvimgcodec_importable() -> bool:
     return True
 
 
+def _cuda_major(version: object) -> int | None:
+    """The major version from ``"12.8"`` (torch) or ``12080`` (a CUDA runtime number), else ``None``."""
+    if isinstance(version, int):
+        return version // 1000 if version >= 1000 else version
+    if isinstance(version, str) and version.split(".")[0].isdigit():
+        return int(version.split(".")[0])
+    return None
+
+
+@functools.cache
+def check_cuda_versions() -> None:
+    """Warns, once, where nvImageCodec and torch are built for different CUDA major versions.
+
+    pip installs torch for the newest CUDA by default and ``[cu12]`` a codec for CUDA 12: two CUDA
+    runtimes in one process, which fails in ways that do not name the cause (a driver too old for one
+    of them, or libraries that do not load).
+    """
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        return  # the decoder's own error says how to install it
+    codec = _cuda_major(getattr(nvimgcodec, "__cuda_version__", None))
+    ours = _cuda_major(torch.version.cuda)
+    if codec is not None and ours is not None and codec != ours:
+        logger.warning(
+            "nvImageCodec is built for CUDA %d but torch for CUDA %d: GPU decoding may fail; install the "
+            "codec for torch's CUDA (pip install 'threadloader[cu%d]', then pip uninstall "
+            "nvidia-nvimgcodec-cu%d) or a torch build for CUDA %d",
+            codec,
+            ours,
+            ours,
+            codec,
+            codec,
+        )
+
+
 def resolve_device(device: str | torch.device | int | None) -> torch.device:
     """Turns the user's ``device`` into an indexed ``torch.device`` that can be used.
 
@@ -107,6 +145,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
         raise RuntimeError(
             f"device={str(resolved)!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
         )
+    check_cuda_versions()
     return torch.device("cuda", index)
 
 

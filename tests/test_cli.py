@@ -1,0 +1,133 @@
+"""``python -m threadloader`` as a user runs it: one line for each user error, exit codes, --on-error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import encode, photo
+
+ROOT = Path(__file__).resolve().parents[1]
+PROG = "python -m threadloader"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "threadloader", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *fragments: str) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # no traceback, no usage block
+    assert lines[0].startswith(f"{PROG}: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    return lines[0]
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """Two classes of two small JPEGs each, and a bad file in the second: sample 4 in sorted order."""
+    root = tmp_path / "photos"
+    for c, name in enumerate(("cat", "dog")):
+        (root / name).mkdir(parents=True)
+        for i in range(2):
+            (root / name / f"{i}.jpg").write_bytes(encode(photo(40, 48, seed=10 * c + i), quality=90))
+    (root / "dog" / "2.jpg").write_bytes(b"this is not a JPEG")
+    return root
+
+
+def test_help_is_plain_text() -> None:
+    result = cli("--help")
+    assert result.returncode == 0 and result.stderr == ""
+    assert "--on-error {raise,skip}" in result.stdout
+    for markup in ("``", ":class:", ":func:", ":meth:", "**"):
+        assert markup not in result.stdout, markup
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--batch-size", "0"], ["--batch-size", "positive integer", "got 0"]),
+        (["--size", "big"], ["--size", "'big'"]),
+        (["--bogus"], ["unrecognized arguments: --bogus"]),
+        (["--on-error", "ignore"], ["--on-error", "'ignore'"]),
+    ],
+)
+def test_bad_options_are_one_line(args: list[str], fragments: list[str]) -> None:
+    assert_one_line_error(cli(*args), 2, *fragments, "--help")
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    assert_one_line_error(cli(str(missing)), 2, "no such folder", str(missing))
+
+
+def test_a_file_instead_of_a_folder(tmp_path: Path) -> None:
+    path = tmp_path / "one.jpg"
+    path.write_bytes(encode(photo(8, 8)))
+    assert_one_line_error(cli(str(path)), 2, str(path), "folder")
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    assert_one_line_error(cli(str(tmp_path)), 2, str(tmp_path))
+
+
+def test_a_folder_without_images(tmp_path: Path) -> None:
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "notes.txt").write_text("no image here")
+    assert_one_line_error(cli(str(tmp_path)), 2, str(tmp_path))
+
+
+def test_a_bad_image_stops_the_run_with_one_line(folder: Path) -> None:
+    bad = folder / "dog" / "2.jpg"
+    assert_one_line_error(
+        cli(str(folder), "--batch-size", "2", "--epochs", "1"), 1, "sample 4", str(bad), "--on-error skip"
+    )
+
+
+def test_on_error_skip_goes_on_and_counts(folder: Path) -> None:
+    result = cli(str(folder), "--batch-size", "2", "--size", "32", "--epochs", "2", "--on-error", "skip")
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.strip().splitlines()
+    assert line.startswith("threadloader: ") and line.endswith("; 1 bad images skipped")
+    assert "Traceback" not in result.stderr
+
+
+def test_every_image_bad_with_skip_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "0.jpg").write_bytes(b"garbage")
+    result = cli(str(tmp_path), "--on-error", "skip", "--epochs", "1")
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"{PROG}: error: no image could be loaded: every one of the 1 was bad and skipped"
+    )
+
+
+def test_cuda_on_a_machine_without_one() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without a GPU")
+    assert_one_line_error(cli("--device", "cuda", "--count", "4"), 2, "device='cuda'", "cpu")
+
+
+def test_the_bundled_samples_run() -> None:
+    result = cli("--count", "16", "--batch-size", "4", "--size", "32", "--epochs", "1", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.strip().splitlines()
+    assert line.startswith("threadloader: ") and "on the CPU (Pillow)" in line and "batches of 4" in line
