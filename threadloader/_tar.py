@@ -208,10 +208,18 @@ class TarMember(Deferred):
         """The member's bytes.
 
         Raises:
-            ShardError: If the shard ends before the member does (a truncated shard).
+            ShardError: If the shard ends before the member does (a truncated shard), or the storage
+                returned more than the range asked for.
         """
         data = self._storage.read(self._path, self.offset, self.size)
-        if len(data) != self.size:
+        if len(data) > self.size:  # fsspec's HTTP returns the whole file from a server that ignores Range
+            raise ShardError(
+                f"{self.origin}: asked for bytes {self.offset}-{self.offset + self.size}, got "
+                f"{len(data)} bytes: the storage ignores range requests (an HTTP server must support Range)",
+                shard=self.shard,
+                member=self.name,
+            )
+        if len(data) < self.size:
             raise ShardError(
                 f"{self.origin}: the shard is truncated: the member needs bytes {self.offset}-"
                 f"{self.offset + self.size}, {len(data)} of its {self.size} bytes are there",
