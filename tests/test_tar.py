@@ -209,13 +209,14 @@ def test_keys_with_dots_and_directories_follow_webdataset(tmp_path: Path, blobs:
         tmp_path / "x.tar",
         [
             ("dir/a", {"jpg": blobs[0], "cls": b"5"}),
-            ("dir/b", {"seg.png": b"x", "jpg": blobs[1], "cls": b"6"}),
+            ("dir/b", {"seg.png": b"x", "jpg": blobs[1], "cls": b"6"}),  # key up to the first dot
+            ("other/a", {"jpg": blobs[2], "cls": b"7"}),  # the directory is part of the key
         ],
     )
     source = TarShards(path)
-    assert len(source) == 2
-    assert [source[i][1] for i in range(2)] == [5, 6]
-    assert source[1][0].name == "dir/b.jpg"
+    assert len(source) == 3
+    assert [source[i][1] for i in range(3)] == [5, 6, 7]
+    assert [source[i][0].name for i in range(3)] == ["dir/a.jpg", "dir/b.jpg", "other/a.jpg"]
 
 
 @pytest.mark.parametrize(
