@@ -54,4 +54,5 @@ def test_lightning_example_trains_a_few_steps_on_the_cpu() -> None:
     assert summary["steps"] == 12 and summary["device"] == "cpu"
     assert summary["loaders"] == ["ThreadLoader", "ThreadLoader"]
     assert summary["val_samples"] == 64  # validation ran over the whole val loader
-    assert summary["last_loss"] < summary["first_loss"]
+    # It learns: 4 classes, so chance is 0.25 (seeded: the same numbers every run on the CPU).
+    assert summary["val_accuracy"] > 0.5 and summary["last_loss"] < summary["first_loss"]
