@@ -219,6 +219,16 @@ def test_keys_with_dots_and_directories_follow_webdataset(tmp_path: Path, blobs:
     assert [source[i][0].name for i in range(3)] == ["dir/a.jpg", "dir/b.jpg", "other/a.jpg"]
 
 
+def test_members_of_a_key_need_not_be_adjacent(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(
+        tmp_path / "x.tar",
+        [("a", {"jpg": blobs[0]}), ("b", {"jpg": blobs[1]}), ("a", {"cls": b"0"}), ("b", {"cls": b"1"})],
+    )
+    source = TarShards(path)
+    assert len(source) == 2
+    assert [(source[i][0].read(), source[i][1]) for i in range(2)] == [(blobs[0], 0), (blobs[1], 1)]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
