@@ -8,6 +8,7 @@ the output is the same.
 
 from ._sources import IMAGE_EXTENSIONS, ImageFolder
 from ._stats import STAGES, LoaderStats
+from ._tar import ShardError, TarMember, TarShards
 from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
 from .loader import ThreadLoader
@@ -28,6 +29,9 @@ __all__ = [
     "QueueFullError",
     "SampleError",
     "ServiceStats",
+    "ShardError",
+    "TarMember",
+    "TarShards",
     "ThreadLoader",
     "ThreadLoaderError",
     "__version__",

@@ -3,11 +3,14 @@
 A source is anything with ``__len__`` and ``__getitem__`` whose items are a path, encoded bytes, or a
 ``(path | bytes, target)`` pair; a directory becomes an :class:`ImageFolder`. Sources are only ever
 indexed from reader threads, never pickled, so classes defined in a notebook cell work as they are.
-Later sources (tar shards, object stores) plug in here: they only need to produce :class:`SampleRef`.
+Bytes that live elsewhere (a tar member, a URL) are a :class:`Deferred`: the source says where they are,
+and the reader thread reads them in the ``read`` stage. Tar shards (``_tar``) and URLs (``_remote``, through
+fsspec) plug in that way.
 """
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,15 +19,65 @@ from typing import Any, Protocol, TypeAlias
 
 from torch.utils.data import IterableDataset
 
+from ._remote import is_url, read_url, require_fsspec
 from .errors import SampleError
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "SampleRef", "Source", "as_source", "fetch", "read_bytes"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "Deferred",
+    "ImageFolder",
+    "RemoteFile",
+    "SampleRef",
+    "Source",
+    "as_source",
+    "fetch",
+    "read_bytes",
+]
 
 #: File extensions an :class:`ImageFolder` picks up (the same set as torchvision's ImageFolder).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
-Encoded: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview"
-_ENCODED_TYPES = (str, os.PathLike, bytes, bytearray, memoryview)
+
+class Deferred(abc.ABC):
+    """Encoded bytes that are read later, in a reader thread: a tar member, a file behind a URL.
+
+    A source may return one wherever it could return a path; ``read`` must be safe to call from many
+    threads at once, and anything it raises becomes the sample's :class:`SampleError` (stage ``"read"``).
+    """
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def origin(self) -> str:
+        """Where the bytes are, for error messages (a URL, ``shard.tar:member``)."""
+
+    @abc.abstractmethod
+    def read(self) -> bytes:
+        """The encoded bytes."""
+
+
+class RemoteFile(Deferred):
+    """A file behind an fsspec URL (``s3://``, ``gs://``, ``https://``, ``file://``, ``memory://``)."""
+
+    __slots__ = ("url",)
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @property
+    def origin(self) -> str:
+        return self.url
+
+    def read(self) -> bytes:
+        return read_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"RemoteFile({self.url!r})"
+
+
+Encoded: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview | Deferred"
+_ENCODED_TYPES = (str, os.PathLike, bytes, bytearray, memoryview, Deferred)
 
 
 class Source(Protocol):
@@ -46,6 +99,8 @@ class SampleRef:
     @property
     def origin(self) -> str:
         """The path, or a short description of in-memory bytes, for error messages."""
+        if isinstance(self.data, Deferred):
+            return self.data.origin
         if isinstance(self.data, (str, os.PathLike)):
             return os.fspath(self.data)
         return f"<{len(self.data)} bytes in memory>"
@@ -101,16 +156,32 @@ class ImageFolder:
 def as_source(source: object) -> Source:
     """Checks a user's source and returns something indexable.
 
+    A directory becomes an :class:`ImageFolder`; a tar shard pattern (``"shards/{000000..000127}.tar"``,
+    one ``.tar`` path or URL) or a list of ``.tar`` paths becomes a ``TarShards``.
+
     Raises:
         TypeError: If ``source`` is neither a directory nor a map-style dataset, with the likely fix.
+        ImportError: If the source names URLs and fsspec is not installed.
     """
+    # Imported here: _tar builds on this module (Deferred, IMAGE_EXTENSIONS); this is only the dispatch.
+    from ._tar import TarShards, is_shard_spec
+
     if isinstance(source, (str, os.PathLike)):
         if os.path.isdir(source):
             return ImageFolder(source)
+        if is_shard_spec(source):
+            return TarShards(source)
         raise TypeError(
-            "a single path as source must be a directory (one sub-folder per class), got "
-            f"{os.fspath(source)!r}; to load one file pass a list: ThreadLoader([path])"
+            "a single path as source must be a directory (one sub-folder per class) or tar shards "
+            f"('shards/{{000000..000127}}.tar'), got {os.fspath(source)!r}; to load one file pass a list: "
+            "ThreadLoader([path])"
         )
+    if isinstance(source, (list, tuple)) and source:
+        if all(isinstance(item, (str, os.PathLike)) and is_shard_spec(item) for item in source):
+            return TarShards(source)
+        first = source[0][0] if isinstance(source[0], tuple) and source[0] else source[0]
+        if isinstance(first, str) and is_url(first):
+            require_fsspec(first)  # a missing fsspec fails here, not once per sample
     if isinstance(source, (bytes, bytearray, memoryview)):
         raise TypeError("source is one bytes object; pass a list of encoded images: ThreadLoader([data])")
     if isinstance(source, IterableDataset) or not (
@@ -136,9 +207,9 @@ def fetch(source: Source, index: int) -> SampleRef:
         origin = f"{type(source).__name__}[{index}]"
         raise SampleError.from_exception(exc, index=index, origin=origin, stage="fetch") from exc
     if isinstance(item, _ENCODED_TYPES):
-        return SampleRef(index, item, None)
+        return SampleRef(index, _locate(item), None)
     if isinstance(item, Sequence) and len(item) == 2 and isinstance(item[0], _ENCODED_TYPES):
-        return SampleRef(index, item[0], item[1])
+        return SampleRef(index, _locate(item[0]), item[1])
     raise SampleError(
         index=index,
         origin=f"{type(source).__name__}[{index}]",
@@ -155,7 +226,15 @@ def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
 
     Raises:
         SampleError: If the file cannot be read.
+        ImportError: If the sample is a URL and fsspec is not installed (a set-up error, not the sample's).
     """
+    if isinstance(ref.data, Deferred):
+        try:
+            return ref.data.read()
+        except ImportError:
+            raise
+        except Exception as exc:  # fsspec back ends raise their own types (aiohttp, botocore, ...)
+            raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
     if not isinstance(ref.data, (str, os.PathLike)):
         return ref.data
     try:
@@ -163,6 +242,11 @@ def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
             return f.read()
     except OSError as exc:
         raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
+
+
+def _locate(data: Encoded) -> Encoded:
+    """A URL string becomes a :class:`RemoteFile`, read through fsspec; anything else is kept."""
+    return RemoteFile(data) if isinstance(data, str) and is_url(data) else data
 
 
 def _type_of(item: object) -> str:

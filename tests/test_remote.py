@@ -1,0 +1,274 @@
+"""URLs through fsspec: files and tar shards on memory://, file:// and a local HTTP server (127.0.0.1)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from threadloader import SampleError, ShardError, TarShards, ThreadLoader
+
+from .conftest import encode, photo, pil_reference
+from .test_tar import member_offset, sample, write_shard
+
+fsspec = pytest.importorskip(
+    "fsspec", reason="remote sources need fsspec: pip install 'threadloader[remote]'"
+)
+
+H, W = 16, 24
+N = 8
+
+
+@pytest.fixture(scope="module")
+def blobs() -> list[bytes]:
+    return [encode(photo(H, W, seed=500 + i), quality=90) for i in range(N)]
+
+
+@pytest.fixture
+def memory() -> Iterator[str]:
+    """A fresh folder of fsspec's in-memory file system (process-wide), removed afterwards."""
+    fs = fsspec.filesystem("memory")
+    root = f"/threadloader-test-{uuid.uuid4().hex}"
+    yield root
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def check(loader: ThreadLoader, blobs: list[bytes], expected: list[int]) -> None:
+    seen = []
+    for images, targets in loader:
+        for image, target in zip(images, targets.tolist(), strict=True):
+            np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), pil_reference(blobs[target]))
+            seen.append(target)
+    assert seen == expected
+
+
+# ---------------------------------------------------------------------------------------- files by URL
+
+
+def test_memory_urls_with_targets(memory: str, blobs: list[bytes]) -> None:
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for i, data in enumerate(blobs):
+        fs.pipe(f"{memory}/img{i}.jpg", data)
+        urls.append((f"memory://{memory}/img{i}.jpg", i))
+    check(ThreadLoader(urls, batch_size=3, num_threads=3), blobs, list(range(N)))
+
+
+def test_file_urls(tmp_path: Path, blobs: list[bytes]) -> None:
+    urls = []
+    for i, data in enumerate(blobs):
+        (tmp_path / f"{i}.jpg").write_bytes(data)
+        urls.append(((tmp_path / f"{i}.jpg").as_uri(), i))
+    check(ThreadLoader(urls, batch_size=4, num_threads=2), blobs, list(range(N)))
+
+
+def test_dataset_returning_urls(memory: str, blobs: list[bytes]) -> None:
+    fs = fsspec.filesystem("memory")
+    for i, data in enumerate(blobs):
+        fs.pipe(f"{memory}/{i}.jpg", data)
+
+    class Remote:
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, index: int) -> tuple[str, int]:
+            return f"memory://{memory}/{index}.jpg", index
+
+    check(ThreadLoader(Remote(), batch_size=8), blobs, list(range(N)))
+
+
+def test_unreadable_url_is_a_sample_error_naming_it(memory: str, blobs: list[bytes]) -> None:
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for i in range(4):
+        fs.pipe(f"{memory}/{i}.jpg", blobs[i])
+        urls.append((f"memory://{memory}/{i}.jpg", i))
+    urls[2] = (f"memory://{memory}/missing.jpg", 2)
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader(urls, batch_size=1))
+    error = info.value
+    assert (error.index, error.stage, error.origin) == (2, "read", f"memory://{memory}/missing.jpg")
+    assert isinstance(error.__cause__, FileNotFoundError)
+    skipping = ThreadLoader(urls, batch_size=4, on_error="skip")
+    check(skipping, blobs, [0, 1, 3])
+    assert skipping.stats().skipped == 1
+
+
+# ------------------------------------------------------------------------------------------ shards by URL
+
+
+def write_memory_shards(memory: str, tmp_path: Path, blobs: list[bytes], shards: int = 2) -> str:
+    fs = fsspec.filesystem("memory")
+    per = N // shards
+    for s in range(shards):
+        local = write_shard(tmp_path / f"{s:06d}.tar", [sample(blobs, s * per + k) for k in range(per)])
+        fs.pipe(f"{memory}/{s:06d}.tar", local.read_bytes())
+    return f"memory://{memory}/{{000000..{shards - 1:06d}}}.tar"
+
+
+def test_memory_shards(memory: str, tmp_path: Path, blobs: list[bytes]) -> None:
+    spec = write_memory_shards(memory, tmp_path, blobs)
+    loader = ThreadLoader(spec, batch_size=3, num_threads=3)
+    assert isinstance(loader.source, TarShards) and loader.source.shards[1] == f"memory://{memory}/000001.tar"
+    check(loader, blobs, list(range(N)))
+    member, target = loader.source[5]
+    assert member.origin == f"memory://{memory}/000001.tar:s0005.jpg" and target == 5
+    shuffled = [ThreadLoader(spec, batch_size=3, shuffle=True, seed=3, num_threads=t) for t in (1, 4)]
+    orders = [[t for _, ts in loader for t in ts.tolist()] for loader in shuffled]
+    assert orders[0] == orders[1] and sorted(orders[0]) == list(range(N)) and orders[0] != list(range(N))
+
+
+def test_file_url_shards(tmp_path: Path, blobs: list[bytes]) -> None:
+    write_shard(tmp_path / "000000.tar", [sample(blobs, i) for i in range(N)])
+    check(ThreadLoader([(tmp_path / "000000.tar").as_uri()], batch_size=5), blobs, list(range(N)))
+
+
+def test_truncated_memory_shard(memory: str, tmp_path: Path, blobs: list[bytes]) -> None:
+    local = write_shard(
+        tmp_path / "x.tar", [(f"s{i:04d}", {"cls": b"%d" % i, "jpg": blobs[i]}) for i in range(3)]
+    )
+    _, data_offset = member_offset(local, "s0002.jpg")
+    fsspec.filesystem("memory").pipe(f"{memory}/x.tar", local.read_bytes()[: data_offset + 10])
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader(f"memory://{memory}/x.tar", batch_size=1))
+    error = info.value
+    assert (error.index, error.stage, error.origin) == (2, "read", f"memory://{memory}/x.tar:s0002.jpg")
+    assert "truncated" in error.reason
+
+
+def test_missing_remote_shard_raises_at_construction(memory: str) -> None:
+    with pytest.raises(ShardError, match="cannot index the shard: FileNotFoundError") as info:
+        TarShards(f"memory://{memory}/nothing.tar")
+    assert info.value.shard == f"memory://{memory}/nothing.tar"
+
+
+# ---------------------------------------------------------------------------------------------- HTTP
+
+
+class _RangeHandler(SimpleHTTPRequestHandler):
+    """Serves a folder with single byte ranges (``Range: bytes=a-b``), as object stores do."""
+
+    def log_message(self, *args: object) -> None:  # keep test output clean
+        pass
+
+    def do_GET(self) -> None:
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if wanted is None:
+            super().do_GET()
+            return
+        try:
+            data = Path(self.translate_path(self.path)).read_bytes()
+        except OSError:
+            self.send_error(404)
+            return
+        start = int(wanted[1])
+        end = min(int(wanted[2]) if wanted[2] else len(data) - 1, len(data) - 1)
+        body = data[start : end + 1]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _PlainHandler(SimpleHTTPRequestHandler):
+    """Ignores Range: answers every GET with the whole file."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[str]:
+    pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install 'threadloader[remote]'")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, name="test-http", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def http(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    root = tmp_path / "www"
+    root.mkdir()
+    for url in _serve(root, _RangeHandler):
+        yield root, url
+
+
+@pytest.fixture
+def plain_http(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    root = tmp_path / "plain"
+    root.mkdir()
+    for url in _serve(root, _PlainHandler):
+        yield root, url
+
+
+def test_http_files_and_a_missing_one(http: tuple[Path, str], blobs: list[bytes]) -> None:
+    root, base = http
+    for i, data in enumerate(blobs):
+        (root / f"{i}.jpg").write_bytes(data)
+    check(
+        ThreadLoader([(f"{base}/{i}.jpg", i) for i in range(N)], batch_size=3, num_threads=3),
+        blobs,
+        list(range(N)),
+    )
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader([(f"{base}/0.jpg", 0), (f"{base}/nope.jpg", 1)], batch_size=1))
+    assert (info.value.index, info.value.stage, info.value.origin) == (1, "read", f"{base}/nope.jpg")
+
+
+def test_http_shards(http: tuple[Path, str], blobs: list[bytes]) -> None:
+    root, base = http
+    for s in range(2):
+        write_shard(root / f"{s:06d}.tar", [sample(blobs, s * 4 + k) for k in range(4)])
+    loader = ThreadLoader(f"{base}/{{000000..000001}}.tar", batch_size=3, num_threads=2)
+    check(loader, blobs, list(range(N)))
+
+
+def test_http_server_without_ranges_is_named(plain_http: tuple[Path, str], blobs: list[bytes]) -> None:
+    root, base = plain_http
+    write_shard(root / "x.tar", [sample(blobs, i) for i in range(2)])
+    with pytest.raises(SampleError, match="ignores range requests"):
+        list(ThreadLoader(f"{base}/x.tar", batch_size=2))
+
+
+# ------------------------------------------------------------------------------------- without fsspec
+
+
+@pytest.fixture
+def no_fsspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "fsspec" or m.startswith("fsspec.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec now raises ImportError
+
+
+def test_without_fsspec_the_error_names_the_extra(no_fsspec: None) -> None:
+    with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
+        ThreadLoader(["s3://bucket/a.jpg"])
+    with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
+        ThreadLoader("gs://bucket/{0..3}.tar")
+
+    class Remote:  # no early check for a dataset: the read raises it, as a set-up error, not a sample's
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int) -> str:
+            return "https://example.invalid/a.jpg"
+
+    loader = ThreadLoader(Remote(), batch_size=2)
+    with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
+        next(iter(loader))
+    loader.close()

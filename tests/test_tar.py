@@ -1,0 +1,430 @@
+"""Tar shards (WebDataset layout): reading, targets, brace patterns, shuffle, damage, missing members.
+
+Shards are written here with the standard library's tarfile and read back through the loader; pixels are
+checked against Pillow's decode of the same member bytes, targets against what was written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from threadloader import SampleError, ShardError, TarMember, TarShards, ThreadLoader
+from threadloader._tar import expand_braces
+
+from .conftest import encode, photo, pil_reference
+
+H, W = 16, 24
+PER_SHARD = 6
+SHARDS = 3
+N = PER_SHARD * SHARDS
+
+Members = dict[str, bytes]
+
+
+@pytest.fixture(scope="module")
+def blobs() -> list[bytes]:
+    return [encode(photo(H, W, seed=300 + i), quality=90) for i in range(N)]
+
+
+def write_shard(path: Path, samples: list[tuple[str, Members]]) -> Path:
+    """A WebDataset shard: members ``key.ext`` in sample order, written by tarfile (the reference writer)."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def sample(blobs: list[bytes], i: int) -> tuple[str, Members]:
+    """Sample ``i``: its image, its class (= i), a caption and a JSON with the class under "label"."""
+    return f"s{i:04d}", {
+        "jpg": blobs[i],
+        "cls": f"{i}\n".encode(),
+        "txt": f"caption {i} é".encode(),
+        "json": json.dumps({"label": i, "name": f"n{i}"}).encode(),
+    }
+
+
+@pytest.fixture
+def shards(tmp_path: Path, blobs: list[bytes]) -> Path:
+    """tmp/shards/000000.tar ... 000002.tar, PER_SHARD samples each, numbered across shards."""
+    root = tmp_path / "shards"
+    root.mkdir()
+    for s in range(SHARDS):
+        write_shard(root / f"{s:06d}.tar", [sample(blobs, s * PER_SHARD + k) for k in range(PER_SHARD)])
+    return root
+
+
+def pattern(root: Path) -> str:
+    return str(root / "{000000..000002}.tar")
+
+
+def member_offset(path: Path, name: str) -> tuple[int, int]:
+    """(header offset, data offset) of a member, as tarfile reports them."""
+    with tarfile.open(path) as archive:
+        info = archive.getmember(name)
+        return info.offset, info.offset_data
+
+
+def check_pixels(images: list[torch.Tensor] | torch.Tensor, blobs: list[bytes], targets: list[int]) -> None:
+    assert len(images) == len(targets)
+    for image, target in zip(images, targets, strict=True):
+        np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), pil_reference(blobs[target]))
+
+
+# -------------------------------------------------------------------------------------------- reading
+
+
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_pattern_reads_every_sample_in_order_with_pillows_pixels(
+    shards: Path, blobs: list[bytes], num_threads: int
+) -> None:
+    loader = ThreadLoader(pattern(shards), batch_size=4, num_threads=num_threads)
+    assert isinstance(loader.source, TarShards)
+    assert len(loader.source) == N and len(loader) == 5
+    seen = []
+    for images, targets in loader:
+        check_pixels(images, blobs, targets.tolist())
+        seen += targets.tolist()
+    assert seen == list(range(N))  # shard by shard, members in tar order; targets from .cls
+
+
+def test_items_are_members_read_by_one_positioned_read(shards: Path, blobs: list[bytes]) -> None:
+    source = TarShards(pattern(shards))
+    member, target = source[PER_SHARD + 2]
+    assert isinstance(member, TarMember) and target == PER_SHARD + 2
+    path = shards / "000001.tar"
+    assert member.shard == str(path) and member.name == "s0008.jpg"
+    assert member.offset == member_offset(path, "s0008.jpg")[1] and member.size == len(blobs[8])
+    assert member.read() == blobs[8]
+    assert member.origin == f"{path}:s0008.jpg"
+    with pytest.raises(IndexError):
+        source[N]
+
+
+def test_list_of_shards_equals_the_pattern_and_pathlike_works(shards: Path) -> None:
+    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
+    by_list = ThreadLoader(paths, batch_size=5)
+    by_str = ThreadLoader([str(p) for p in reversed(paths)], batch_size=5)
+    assert isinstance(by_list.source, TarShards)
+    assert [t.tolist() for _, t in by_list] == [
+        list(range(0, 5)),
+        list(range(5, 10)),
+        list(range(10, 15)),
+        [15, 16, 17],
+    ]
+    order = [t for _, ts in by_str for t in ts.tolist()]  # shards in the order given
+    assert order == list(range(12, 18)) + list(range(6, 12)) + list(range(0, 6))
+
+
+def test_single_shard_path(shards: Path) -> None:
+    loader = ThreadLoader(str(shards / "000001.tar"), batch_size=PER_SHARD)
+    assert [t.tolist() for _, t in loader] == [list(range(PER_SHARD, 2 * PER_SHARD))]
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("a/{000..003}.tar", ["a/000.tar", "a/001.tar", "a/002.tar", "a/003.tar"]),
+        ("{8..11}.tar", ["8.tar", "9.tar", "10.tar", "11.tar"]),
+        ("{09..11}", ["09", "10", "11"]),
+        ("{3..1}", ["3", "2", "1"]),
+        ("{a,b}-{0..1}", ["a-0", "a-1", "b-0", "b-1"]),
+        ("x{a,b{1..2}}y", ["xay", "xb1y", "xb2y"]),
+        ("plain.tar", ["plain.tar"]),
+        ("s3://bucket/train-{0000..0002}.tar", [f"s3://bucket/train-{i:04d}.tar" for i in range(3)]),
+    ],
+)
+def test_brace_expansion(spec: str, expected: list[str]) -> None:
+    assert expand_braces(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["a{0..1.tar", "a}.tar", "{a,{b}.tar"])
+def test_unbalanced_braces_are_rejected(spec: str) -> None:
+    with pytest.raises(ValueError, match="unbalanced"):
+        expand_braces(spec)
+
+
+# -------------------------------------------------------------------------------------------- targets
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, list(range(PER_SHARD))),  # auto: .cls is there
+        ({"target": "cls"}, list(range(PER_SHARD))),
+        ({"target": "txt"}, [f"caption {i} é" for i in range(PER_SHARD)]),
+        ({"target": "json", "target_key": "label"}, list(range(PER_SHARD))),
+        ({"target": "json"}, [{"label": i, "name": f"n{i}"} for i in range(PER_SHARD)]),
+    ],
+)
+def test_targets(shards: Path, options: dict, expected: list) -> None:
+    source = TarShards(shards / "000000.tar", **options)
+    assert [source[i][1] for i in range(PER_SHARD)] == expected
+    ((_, targets),) = list(ThreadLoader(source, batch_size=PER_SHARD, num_threads=2))
+    if isinstance(expected[0], int):
+        assert targets.tolist() == expected
+    elif isinstance(expected[0], str):
+        assert targets == expected  # collated as default_collate does: a list of strings
+    else:
+        assert targets["name"] == [e["name"] for e in expected]
+
+
+def test_no_target_and_auto_without_cls(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(tmp_path / "images.tar", [(f"k{i}", {"jpg": blobs[i]}) for i in range(4)])
+    auto = TarShards(path)
+    assert auto.target is None and isinstance(auto[0], TarMember)
+    loader = ThreadLoader(str(path), batch_size=4)
+    ((images, targets),) = list(loader)
+    assert targets is None
+    check_pixels(images, blobs, [0, 1, 2, 3])
+    explicit = TarShards(write_shard(tmp_path / "b.tar", [sample(blobs, 0)]), target=None)
+    assert isinstance(explicit[0], TarMember)
+
+
+def test_image_extension_choice_first_match_wins(tmp_path: Path, blobs: list[bytes]) -> None:
+    png = encode(photo(H, W, seed=999), "PNG")
+    path = write_shard(tmp_path / "x.tar", [("a", {"jpg": blobs[0], "png": png, "cls": b"0"})])
+    assert TarShards(path, image="png;jpg")[0][0].read() == png
+    assert TarShards(path, image=("jpg", "png"))[0][0].read() == blobs[0]
+    assert TarShards(path, image=".PNG")[0][0].read() == png
+    upper = write_shard(tmp_path / "upper.tar", [("b", {"JPEG": blobs[1], "cls": b"1"})])
+    assert TarShards(upper)[0][0].read() == blobs[1]  # default: every ImageFolder extension, any case
+
+
+def test_keys_with_dots_and_directories_follow_webdataset(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(
+        tmp_path / "x.tar",
+        [
+            ("dir/a", {"jpg": blobs[0], "cls": b"5"}),
+            ("dir/b", {"seg.png": b"x", "jpg": blobs[1], "cls": b"6"}),  # key up to the first dot
+            ("other/a", {"jpg": blobs[2], "cls": b"7"}),  # the directory is part of the key
+        ],
+    )
+    source = TarShards(path)
+    assert len(source) == 3
+    assert [source[i][1] for i in range(3)] == [5, 6, 7]
+    assert [source[i][0].name for i in range(3)] == ["dir/a.jpg", "dir/b.jpg", "other/a.jpg"]
+
+
+def test_members_of_a_key_need_not_be_adjacent(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(
+        tmp_path / "x.tar",
+        [("a", {"jpg": blobs[0]}), ("b", {"jpg": blobs[1]}), ("a", {"cls": b"0"}), ("b", {"cls": b"1"})],
+    )
+    source = TarShards(path)
+    assert len(source) == 2
+    assert [(source[i][0].read(), source[i][1]) for i in range(2)] == [(blobs[0], 0), (blobs[1], 1)]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"target": "bogus"}, "target must be one of"),
+        ({"target": "cls", "target_key": "label"}, "needs target='json'"),
+        ({"image": ""}, "at least one extension"),
+    ],
+)
+def test_bad_options(shards: Path, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TarShards(shards / "000000.tar", **options)
+
+
+# -------------------------------------------------------------------------------------------- shuffle
+
+
+def orders(loader: ThreadLoader, epochs: int) -> list[list[int]]:
+    return [[t for _, targets in loader for t in targets.tolist()] for _ in range(epochs)]
+
+
+def test_shuffle_is_exact_over_all_shards_and_reproducible_across_threads(
+    shards: Path, blobs: list[bytes]
+) -> None:
+    runs = [
+        orders(ThreadLoader(pattern(shards), batch_size=4, shuffle=True, seed=11, num_threads=t), 3)
+        for t in (1, 2, 5)
+    ]
+    assert runs[0] == runs[1] == runs[2]
+    for order in runs[0]:
+        assert sorted(order) == list(range(N))
+    assert len({tuple(order) for order in runs[0]}) == 3  # a new order each epoch
+    # The same permutation as an in-memory list of the same samples: the shuffle is over the whole set,
+    # not shard by shard (every shard appears in the first few samples).
+    in_memory = [(blobs[i], i) for i in range(N)]
+    assert orders(ThreadLoader(in_memory, batch_size=4, shuffle=True, seed=11), 3) == runs[0]
+    assert len({i // PER_SHARD for i in runs[0][0][:6]}) == SHARDS
+    replay = ThreadLoader(pattern(shards), batch_size=4, shuffle=True, seed=11)
+    replay.set_epoch(2)
+    assert orders(replay, 1)[0] == runs[0][2]
+    other = ThreadLoader(pattern(shards), batch_size=4, shuffle=True, seed=12)
+    assert orders(other, 1)[0] != runs[0][0]
+
+
+# ---------------------------------------------------------------------------------- damaged and missing
+
+
+def fail_at(loader: ThreadLoader) -> tuple[list[int], SampleError]:
+    delivered = []
+    with pytest.raises(SampleError) as info:
+        for _, targets in loader:
+            delivered += targets.tolist()
+    return delivered, info.value
+
+
+def test_truncated_shard_names_the_cut_member(tmp_path: Path, blobs: list[bytes]) -> None:
+    # The image is the last member, so the cut leaves it with its target.
+    samples = [(f"s{i:04d}", {"cls": str(i).encode(), "jpg": blobs[i]}) for i in range(4)]
+    path = write_shard(tmp_path / "cut.tar", samples)
+    _, data_offset = member_offset(path, "s0003.jpg")
+    with open(path, "r+b") as f:
+        f.truncate(data_offset + len(blobs[3]) // 2)
+    source = TarShards(path, target="cls")
+    assert len(source) == 4 and "truncated" in source.damaged[0]
+    delivered, error = fail_at(ThreadLoader(source, batch_size=2))
+    assert delivered == [0, 1]  # the batch [2, 3] fails at 3
+    assert (error.index, error.stage, error.origin) == (3, "read", f"{path}:s0003.jpg")
+    assert "truncated" in error.reason
+    assert isinstance(error.__cause__, ShardError) and error.__cause__.member == "s0003.jpg"
+    skipping = ThreadLoader(source, batch_size=2, on_error="skip")
+    assert [t for _, ts in skipping for t in ts.tolist()] == [0, 1, 2]
+    assert skipping.stats().skipped == 1
+
+
+def test_truncated_target_member_is_that_samples_error(tmp_path: Path, blobs: list[bytes]) -> None:
+    samples = [sample(blobs, 0), ("s0001", {"jpg": blobs[1], "cls": b"1" * 700})]
+    path = write_shard(tmp_path / "cut.tar", samples)
+    _, data_offset = member_offset(path, "s0001.cls")
+    with open(path, "r+b") as f:
+        f.truncate(data_offset + 100)
+    delivered, error = fail_at(ThreadLoader(str(path), batch_size=1))
+    assert delivered == [0]
+    assert (error.index, error.stage) == (1, "fetch")
+    assert str(path) in error.reason and "s0001.cls" in error.reason and "truncated" in error.reason
+
+
+def test_damaged_header_mid_shard_loses_only_its_member(
+    tmp_path: Path, blobs: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_shard(tmp_path / "bad.tar", [sample(blobs, i) for i in range(5)])
+    header, _ = member_offset(path, "s0002.jpg")
+    with open(path, "r+b") as f:  # garble the name and the checksum: tarfile rejects the header
+        f.seek(header)
+        f.write(b"\xff" * 20)
+        f.seek(header + 148)
+        f.write(b"garbage!")
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        source = TarShards(path)
+    assert len(source.damaged) == 1 and str(path) in source.damaged[0]
+    assert any("damaged" in r.getMessage() for r in caplog.records if r.name == "threadloader")
+    assert len(source) == 5  # key s0002 survives through its other members
+    loader = ThreadLoader(source, batch_size=1)
+    delivered, error = fail_at(loader)
+    assert delivered == [0, 1]
+    assert (error.index, error.stage) == (2, "fetch")
+    assert str(path) in error.reason and "'s0002' has no image member" in error.reason
+    assert "the shard is damaged: bytes" in error.reason
+    skipping = ThreadLoader(source, batch_size=2, on_error="skip")
+    assert [t for _, ts in skipping for t in ts.tolist()] == [0, 1, 3, 4]  # the members after it are kept
+    assert skipping.stats().skipped == 1
+
+
+def test_missing_members(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(
+        tmp_path / "holes.tar",
+        [
+            sample(blobs, 0),
+            ("s0001", {"jpg": blobs[1]}),  # image, no target
+            ("s0002", {"cls": b"2"}),  # target, no image
+            ("s0003", {"jpg": blobs[3], "cls": b"three"}),  # a target that is not a class
+            sample(blobs, 4),
+        ],
+    )
+    source = TarShards(path, target="cls")
+    assert len(source) == 5
+    messages = {}
+    for i in (1, 2, 3):
+        with pytest.raises(ShardError) as info:
+            source[i]
+        messages[i] = str(info.value)
+        assert pickle.loads(pickle.dumps(info.value)).shard == str(path)
+    assert "'s0001' has no target member 's0001.cls'" in messages[1]
+    assert "'s0002' has no image member" in messages[2]
+    assert "s0003.cls: target does not parse" in messages[3]
+    loader = ThreadLoader(source, batch_size=5, on_error="skip")
+    ((images, targets),) = list(loader)
+    assert targets.tolist() == [0, 4]
+    check_pixels(images, blobs, [0, 4])
+    assert loader.stats().skipped == 3
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader(source, batch_size=5))
+    assert info.value.index == 1 and str(path) in info.value.reason and "s0001.cls" in info.value.reason
+
+
+def test_json_target_without_the_key(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(tmp_path / "j.tar", [("a", {"jpg": blobs[0], "json": b'{"other": 1}'})])
+    with pytest.raises(ShardError, match=r"a\.json: target does not parse: KeyError: 'label'"):
+        TarShards(path, target="json", target_key="label")[0]
+
+
+def test_decode_errors_name_the_shard_and_member(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(
+        tmp_path / "x.tar", [sample(blobs, 0), ("bad", {"jpg": b"not a jpeg" * 20, "cls": b"1"})]
+    )
+    delivered, error = fail_at(ThreadLoader(str(path), batch_size=1))
+    assert delivered == [0]
+    assert (error.index, error.stage, error.origin) == (1, "decode", f"{path}:bad.jpg")
+
+
+def test_unindexable_shards_raise_at_construction_naming_the_shard(
+    tmp_path: Path, blobs: list[bytes]
+) -> None:
+    good = write_shard(tmp_path / "000000.tar", [sample(blobs, 0)])
+    missing = tmp_path / "000001.tar"
+    with pytest.raises(ShardError, match=r"000001\.tar: cannot index the shard: FileNotFoundError") as info:
+        ThreadLoader(str(tmp_path / "{000000..000001}.tar"))
+    assert info.value.shard == str(missing)
+
+    not_tar = tmp_path / "notatar.tar"
+    not_tar.write_bytes(blobs[0])
+    with pytest.raises(ShardError, match=r"notatar\.tar: no tar members"):
+        TarShards([good, not_tar])
+
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    with pytest.raises(ShardError, match=r"empty\.tar: cannot index the shard: ReadError"):
+        TarShards(empty)
+
+    gz = tmp_path / "c.tar.gz"
+    with tarfile.open(gz, "w:gz") as archive:
+        archive.add(good, arcname="inner.tar")
+    with pytest.raises(ShardError, match="gzip-compressed tar cannot be read by position"):
+        ThreadLoader(str(gz))
+
+
+def test_single_non_shard_path_is_still_rejected(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="tar shards"):
+        ThreadLoader(str(tmp_path / "one.jpg"))
+
+
+def test_members_are_read_concurrently(tmp_path: Path) -> None:
+    """Many threads reading members of one shard at once each get their own member's bytes."""
+    payloads = [os.urandom(5000 + 37 * i) for i in range(64)]
+    path = write_shard(tmp_path / "x.tar", [(f"k{i}", {"jpg": p}) for i, p in enumerate(payloads)])
+    source = TarShards(path)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: source[i % 64].read(), range(64 * 20)))
+    assert got == [payloads[i % 64] for i in range(64 * 20)]

@@ -1,0 +1,541 @@
+"""Tar shards in the WebDataset layout as a map-style source: indexed once on open, one read per sample.
+
+A shard (``000000.tar``) holds samples as members that share a key: ``key.jpg`` with ``key.cls``,
+``key.txt`` or ``key.json``. Each shard is walked once with :mod:`tarfile` when the source is built,
+recording every image member's offset and size and reading the (small) target members; after that a
+sample is one positioned read (``os.pread`` on a local file, a ranged ``cat_file`` through fsspec).
+Nothing holds a file position, so any number of reader threads index the source at once.
+
+Why an index rather than streaming: a map-style source is shuffled exactly over the whole set (not
+within a buffer), composes with the loader's samplers, with sharding by rank and with resumption,
+all of which work on indices, and its order is the sampler's whatever the threads do. The cost is
+the walk on open (docs/sources.md has it measured) and a little memory per sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import re
+import tarfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any, Literal, Protocol
+
+from ._remote import filesystem, is_url
+from ._sources import IMAGE_EXTENSIONS, Deferred
+from .errors import ThreadLoaderError
+
+__all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
+
+logger = logging.getLogger("threadloader")
+
+#: Names that make a path or URL a tar shard for ``ThreadLoader(...)``.
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+Target = Literal["auto", "cls", "txt", "json"]
+_TARGETS = ("auto", "cls", "txt", "json")
+
+# Compressed shards cannot be read by position: named so the error says what the file is.
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+class ShardError(ThreadLoaderError):
+    """A tar shard, or one sample in it, is not what the WebDataset layout says.
+
+    Raised when the source is built for a shard that cannot be indexed at all (missing, not a tar,
+    compressed); inside the loader, a sample's problem (a missing member, a truncated one, a target
+    that does not parse) reaches you as a :class:`SampleError` whose reason is this error's message.
+
+    Attributes:
+        shard: The shard's path or URL.
+        member: The member at fault, when there is one.
+    """
+
+    def __init__(self, message: str, *, shard: str, member: str | None = None) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.member = member
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_shard_error, (str(self), self.shard, self.member))
+
+
+def _rebuild_shard_error(message: str, shard: str, member: str | None) -> ShardError:
+    return ShardError(message, shard=shard, member=member)
+
+
+def is_shard_spec(source: str | os.PathLike[str]) -> bool:
+    """Whether a path, URL or brace pattern names tar shards (by its suffix)."""
+    return os.fspath(source).lower().endswith(SHARD_SUFFIXES)
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expands brace patterns as WebDataset (and bash) do.
+
+    ``{000..127}`` is a numeric range, zero-padded to the wider end when either end has a leading
+    zero (and descending when the first end is larger); ``{a,b}`` lists alternatives. Groups may be
+    nested and repeated: the result is their product, leftmost group outermost.
+
+    Raises:
+        ValueError: If the braces do not balance.
+    """
+    start = pattern.find("{")
+    if start < 0:
+        if "}" in pattern:
+            raise ValueError(f"unbalanced '}}' in shard pattern {pattern!r}")
+        return [pattern]
+    depth, end = 0, start
+    for end in range(start, len(pattern)):
+        depth += {"{": 1, "}": -1}.get(pattern[end], 0)
+        if depth == 0:
+            break
+    if depth:
+        raise ValueError(f"unbalanced '{{' in shard pattern {pattern!r}")
+    head, body, tails = pattern[:start], pattern[start + 1 : end], expand_braces(pattern[end + 1 :])
+    numeric = _RANGE.match(body)
+    if numeric:
+        first, last = numeric.groups()
+        padded = any(len(x.lstrip("-")) > 1 and x.lstrip("-").startswith("0") for x in (first, last))
+        width = max(len(first), len(last)) if padded else 0
+        step = 1 if int(last) >= int(first) else -1
+        choices = [f"{n:0{width}d}" for n in range(int(first), int(last) + step, step)]
+    else:
+        choices = [expanded for part in _split_top_level(body) for expanded in expand_braces(part)]
+    return [head + choice + tail for choice in choices for tail in tails]
+
+
+def _split_top_level(body: str) -> list[str]:
+    """Splits ``a,{b,c},d`` at the commas outside nested braces."""
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for char in body:
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        current.append(char)
+    parts.append("".join(current))
+    return parts
+
+
+class _Storage(Protocol):
+    """Where shards live: the local file system, or an fsspec one. Every call is stateless."""
+
+    def size(self, path: str) -> int: ...
+
+    def open(self, path: str) -> IO[bytes]: ...
+
+    def read(self, path: str, offset: int, size: int) -> bytes: ...
+
+
+class _LocalStorage:
+    """Local files: ``os.pread`` on a descriptor opened for the read (no shared position to race on)."""
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def open(self, path: str) -> IO[bytes]:
+        return open(path, "rb")
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            chunks = []
+            while size > 0:
+                chunk = os.pread(fd, size, offset)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                offset += len(chunk)
+                size -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+
+class _FsspecStorage:
+    """A file system of fsspec: ranged ``cat_file`` calls, which keep no position either."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def size(self, path: str) -> int:
+        return int(self._fs.size(path))
+
+    def open(self, path: str) -> IO[bytes]:
+        return self._fs.open(path, "rb")  # type: ignore[no-any-return]
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        return bytes(self._fs.cat_file(path, start=offset, end=offset + size))
+
+
+_LOCAL = _LocalStorage()
+
+
+class TarMember(Deferred):
+    """One image member of a shard: where its bytes are; :meth:`read` is one positioned read.
+
+    Attributes:
+        shard: The shard's path or URL.
+        name: The member's name in the tar.
+        offset: Where its data starts in the shard.
+        size: Its size in bytes.
+    """
+
+    __slots__ = ("_path", "_storage", "name", "offset", "shard", "size")
+
+    def __init__(self, shard: _Shard, name: str, offset: int, size: int) -> None:
+        self.shard = shard.url
+        self._path = shard.path
+        self._storage = shard.storage
+        self.name = name
+        self.offset = offset
+        self.size = size
+
+    @property
+    def origin(self) -> str:
+        return f"{self.shard}:{self.name}"
+
+    def read(self) -> bytes:
+        """The member's bytes.
+
+        Raises:
+            ShardError: If the shard ends before the member does (a truncated shard), or the storage
+                returned more than the range asked for.
+        """
+        data = self._storage.read(self._path, self.offset, self.size)
+        if len(data) > self.size:  # fsspec's HTTP returns the whole file from a server that ignores Range
+            raise ShardError(
+                f"{self.origin}: asked for bytes {self.offset}-{self.offset + self.size}, got "
+                f"{len(data)} bytes: the storage ignores range requests (an HTTP server must support Range)",
+                shard=self.shard,
+                member=self.name,
+            )
+        if len(data) < self.size:
+            raise ShardError(
+                f"{self.origin}: the shard is truncated: the member needs bytes {self.offset}-"
+                f"{self.offset + self.size}, {len(data)} of its {self.size} bytes are there",
+                shard=self.shard,
+                member=self.name,
+            )
+        return data
+
+    def __repr__(self) -> str:
+        return f"TarMember({self.origin!r}, offset={self.offset}, size={self.size})"
+
+
+@dataclass
+class _Shard:
+    """The index of one shard: its samples (keys) in order of first appearance."""
+
+    url: str
+    path: str
+    storage: _Storage
+    keys: list[str] = field(default_factory=list)
+    images: list[tuple[str, int, int] | None] = field(default_factory=list)  # (name, offset, size)
+    targets: list[bytes | None] = field(default_factory=list)  # the target member's bytes
+    problems: dict[int, str] = field(default_factory=dict)  # sample -> why it cannot be read
+    damage: list[str] = field(default_factory=list)
+
+
+class TarShards:
+    """Tar shards in the WebDataset layout, as a map-style source of ``(member, target)``.
+
+    Every shard is indexed when this is built (its headers walked once with :mod:`tarfile`, its
+    target members read), so the length is exact, shuffling is over the whole set, and a sample is
+    one positioned read from any thread. ``ThreadLoader("shards/{000000..000127}.tar")`` builds one
+    with the defaults.
+
+    A sample is every key in a shard (members ``key.ext`` share the key: the name up to the first
+    dot of its base name). Keys are numbered shard by shard, in order of first appearance.
+
+    Errors: a shard that cannot be indexed at all (missing, unreadable, not a tar, compressed)
+    raises :class:`ShardError` here, naming it. Problems of single samples are raised when the sample
+    is fetched, so the loader reports them as that sample's :class:`SampleError` (or skips and counts
+    them with ``on_error="skip"``): a key with no image member, or no target member when one is
+    required; a target that does not parse; a member cut off by a truncated shard. A damaged header
+    in the middle of a shard is skipped over (the members after it are still indexed), logged, and
+    listed in :attr:`damaged`; the member it described is lost, so its key may miss a member.
+
+    Args:
+        shards: A path or URL, a brace pattern (``"shards/{000000..000127}.tar"``, expanded as
+            WebDataset does), or a sequence of them. URLs are read through fsspec
+            (``pip install 'threadloader[remote]'``).
+        image: Extension(s) of the image member, first match wins: ``"jpg"``, ``("jpg", "png")``
+            or ``"jpg;png"``. Default: every extension :class:`ImageFolder` reads.
+        target: ``"cls"`` (an integer in text), ``"txt"`` (a UTF-8 string), ``"json"`` (the parsed
+            JSON, or its ``target_key`` item), ``None`` (no target: items are the members alone),
+            or ``"auto"``: ``"cls"`` when any shard has a ``.cls`` member, else ``None``.
+        target_key: With ``target="json"``, the key of the JSON object to use as the target.
+        storage_options: Passed to fsspec for URL shards (credentials, endpoints).
+        index_threads: Threads that index shards at once (reading remote shards is I/O bound).
+
+    Attributes:
+        shards: The shard paths or URLs, expanded, in order.
+        target: The resolved target kind (``"auto"`` resolved), or ``None``.
+        damaged: Damaged spots found while indexing: ``"shard: what"``, one per spot.
+        index_seconds: Wall time the indexing took.
+    """
+
+    def __init__(
+        self,
+        shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        image: str | Sequence[str] | None = None,
+        target: Target | None = "auto",
+        target_key: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        index_threads: int = 16,
+    ) -> None:
+        if target not in (*_TARGETS, None):
+            raise ValueError(f"target must be one of {_TARGETS} or None, got {target!r}")
+        if target_key is not None and target != "json":
+            raise ValueError(
+                f"target_key picks an item of a .json target; it needs target='json', got {target!r}"
+            )
+        self.shards = _expand(shards)
+        self._images = _extensions(image)
+        started = time.perf_counter()
+        wanted = "cls" if target == "auto" else target
+        with ThreadPoolExecutor(max_workers=max(1, min(index_threads, len(self.shards)))) as pool:
+            self._index = list(
+                pool.map(lambda url: _index_shard(url, storage_options, self._images, wanted), self.shards)
+            )
+        self.index_seconds = time.perf_counter() - started
+        if target == "auto":
+            has_cls = any(raw is not None for shard in self._index for raw in shard.targets)
+            target = "cls" if has_cls else None
+        self.target: str | None = target
+        self.target_key = target_key
+        self._starts = [0]
+        for shard in self._index:
+            self._starts.append(self._starts[-1] + len(shard.keys))
+        if not len(self):
+            raise ShardError(
+                f"no samples in {len(self.shards)} shard(s), the first {self.shards[0]!r}",
+                shard=self.shards[0],
+            )
+        self.damaged = [f"{shard.url}: {note}" for shard in self._index for note in shard.damage]
+        for note in self.damaged:
+            logger.warning("threadloader: damaged tar shard: %s", note)
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> TarMember | tuple[TarMember, Any]:
+        """The image member of sample ``index``, with its target unless ``target`` is ``None``.
+
+        Raises:
+            IndexError: If ``index`` is out of range.
+            ShardError: If the sample has no image member, no target member when one is required,
+                or a target that does not parse.
+        """
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        number = bisect.bisect_right(self._starts, index) - 1
+        shard, position = self._index[number], index - self._starts[number]
+        key = shard.keys[position]
+        if position in shard.problems:
+            raise ShardError(f"{shard.url}: {shard.problems[position]}", shard=shard.url, member=key)
+        image = shard.images[position]
+        if image is None:
+            raise ShardError(
+                f"{shard.url}: sample {key!r} has no image member ({', '.join(self._images)})"
+                + _damage_note(shard),
+                shard=shard.url,
+                member=key,
+            )
+        member = TarMember(shard, *image)
+        if self.target is None:
+            return member
+        raw = shard.targets[position]
+        name = f"{key}.{self.target}"
+        if raw is None:
+            raise ShardError(
+                f"{shard.url}: sample {key!r} has no target member {name!r} (target={self.target!r}; "
+                "target=None loads images without targets)" + _damage_note(shard),
+                shard=shard.url,
+                member=name,
+            )
+        try:
+            return member, self._parse(raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ShardError(
+                f"{shard.url}:{name}: target does not parse: {type(exc).__name__}: {exc}",
+                shard=shard.url,
+                member=name,
+            ) from exc
+
+    def _parse(self, raw: bytes) -> Any:
+        if self.target == "cls":
+            return int(raw.decode("ascii").strip())
+        if self.target == "txt":
+            return raw.decode("utf-8")
+        value = json.loads(raw)
+        if self.target_key is None:
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"target_key={self.target_key!r} needs a JSON object, got {type(value).__name__}")
+        return value[self.target_key]
+
+    def __repr__(self) -> str:
+        return (
+            f"TarShards({len(self.shards)} shards, samples={len(self)}, target={self.target!r}, "
+            f"first={self.shards[0]!r})"
+        )
+
+
+def _damage_note(shard: _Shard) -> str:
+    """Why a member may be missing: the damage found in its shard, if any."""
+    return f"; the shard is damaged: {'; '.join(shard.damage)}" if shard.damage else ""
+
+
+def _expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+    specs = [shards] if isinstance(shards, (str, os.PathLike)) else list(shards)
+    if not specs:
+        raise ValueError("no shards given: pass a path, a brace pattern or a list of shard paths")
+    if not all(isinstance(spec, (str, os.PathLike)) for spec in specs):
+        kinds = sorted({type(spec).__name__ for spec in specs})
+        raise TypeError(f"shards must be paths or URLs (str or os.PathLike), got {', '.join(kinds)}")
+    return [url for spec in specs for url in expand_braces(os.fspath(spec))]
+
+
+def _extensions(image: str | Sequence[str] | None) -> tuple[str, ...]:
+    if image is None:
+        return tuple(ext.lstrip(".") for ext in IMAGE_EXTENSIONS)
+    names = image.split(";") if isinstance(image, str) else list(image)
+    extensions = tuple(name.strip().lstrip(".").lower() for name in names if name.strip())
+    if not extensions:
+        raise ValueError(f"image must name at least one extension, got {image!r}")
+    return extensions
+
+
+def _split_name(name: str) -> tuple[str, str] | None:
+    """``dir/key.ext.more`` -> (``dir/key``, ``ext.more``) as WebDataset splits it; None without a dot."""
+    directory, _, base = name.rpartition("/")
+    key, dot, extension = base.partition(".")
+    if not dot or not key:
+        return None
+    return (f"{directory}/{key}" if directory else key), extension.lower()
+
+
+def _index_shard(
+    url: str, storage_options: dict[str, Any] | None, images: tuple[str, ...], target: str | None
+) -> _Shard:
+    if is_url(url):
+        fs, path = filesystem(url, storage_options)
+        shard = _Shard(url, path, _FsspecStorage(fs))
+    else:
+        shard = _Shard(url, url, _LOCAL)
+    try:
+        size = shard.storage.size(shard.path)
+        with shard.storage.open(shard.path) as f:
+            magic = f.read(6)
+            for prefix, kind in _COMPRESSED.items():
+                if magic.startswith(prefix):
+                    raise ShardError(
+                        f"{url}: a {kind}-compressed tar cannot be read by position; store shards as plain "
+                        "(uncompressed) tar files: JPEG members gain nothing from compression",
+                        shard=url,
+                    )
+            f.seek(0)
+            members, targets = _walk(f, shard, size, target)
+    except ShardError:
+        raise
+    except Exception as exc:  # OSError, tarfile.ReadError, and whatever an fsspec back end raises
+        raise ShardError(f"{url}: cannot index the shard: {type(exc).__name__}: {exc}", shard=url) from exc
+    if not members:
+        raise ShardError(
+            f"{url}: no tar members: not a tar archive, or damaged from its first header", shard=url
+        )
+    _group(shard, members, targets, images, target)
+    return shard
+
+
+def _walk(
+    f: IO[bytes], shard: _Shard, size: int, target: str | None
+) -> tuple[list[tarfile.TarInfo], dict[str, bytes | str]]:
+    """Reads every header, the target members' contents (as they go by), and checks the gaps.
+
+    ``ignore_zeros`` makes tarfile step over a damaged header block by block instead of stopping
+    there (which would silently drop the rest of the shard); the gaps it steps over are checked here:
+    zero blocks are padding, anything else is a damaged header, recorded in ``shard.damage``.
+
+    Returns:
+        The regular-file members, and per target member name its bytes or why it cannot be read.
+    """
+    members: list[tarfile.TarInfo] = []
+    targets: dict[str, bytes | str] = {}
+    gaps: list[tuple[int, int]] = []
+    expected = 0  # where the next header should start
+    with tarfile.open(fileobj=f, mode="r:", ignore_zeros=True) as archive:
+        try:
+            for member in archive:
+                if member.offset > expected:
+                    gaps.append((expected, member.offset))
+                # tarfile's own rule for which members have data blocks after their header
+                has_data = member.isreg() or member.type not in tarfile.SUPPORTED_TYPES
+                expected = member.offset_data + (_blocks(member.size) if has_data else 0)
+                if not member.isreg():
+                    continue
+                members.append(member)
+                parts = _split_name(member.name)
+                if target is not None and parts is not None and parts[1] == target:
+                    targets[member.name] = _read_target(archive, member, size)
+        except tarfile.ReadError as exc:  # member data running past the end: the last member is truncated
+            shard.damage.append(f"truncated at byte {size} ({exc})")
+    if expected < size:
+        gaps.append((expected, size))
+    for start, end in gaps:
+        f.seek(start)
+        if f.read(end - start).strip(b"\0"):
+            shard.damage.append(
+                f"bytes {start}-{end} are not tar headers: a damaged or cut-off header, its member lost"
+            )
+    return members, targets
+
+
+def _blocks(size: int) -> int:
+    """Bytes that ``size`` bytes of member data take in a tar: whole 512-byte blocks."""
+    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def _read_target(archive: tarfile.TarFile, member: tarfile.TarInfo, size: int) -> bytes | str:
+    if member.offset_data + member.size > size:
+        return f"target member {member.name!r} is truncated (the shard ends at byte {size})"
+    extracted = archive.extractfile(member)
+    assert extracted is not None  # a regular file always has contents
+    return extracted.read()
+
+
+def _group(
+    shard: _Shard,
+    members: list[tarfile.TarInfo],
+    targets: dict[str, bytes | str],
+    images: tuple[str, ...],
+    target: str | None,
+) -> None:
+    """Groups members by key into samples: each key's image (first extension in ``images``) and target."""
+    by_key: dict[str, dict[str, tarfile.TarInfo]] = {}
+    for member in members:
+        parts = _split_name(member.name)
+        if parts is not None:
+            by_key.setdefault(parts[0], {})[parts[1]] = member
+    for key, found in by_key.items():
+        position = len(shard.keys)
+        shard.keys.append(key)
+        image = next((found[ext] for ext in images if ext in found), None)
+        shard.images.append(None if image is None else (image.name, image.offset_data, image.size))
+        raw = targets.get(found[target].name) if target is not None and target in found else None
+        if isinstance(raw, str):
+            shard.problems[position] = raw
+            raw = None
+        shard.targets.append(raw)
