@@ -357,6 +357,7 @@ def threadloader(
         with module.ThreadLoader(
             root,
             batch_size=batch_size,
+            drop_last=True,  # full batches only, as the other rows' endless batch samplers give
             num_threads=num_threads,
             size=size,
             dtype=torch.float32,
