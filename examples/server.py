@@ -226,8 +226,8 @@ class Handler(BaseHTTPRequestHandler):
     server: Server
 
     def setup(self) -> None:
-        self.timeout = self.server.limits.socket_timeout_s  # each read and write; a timeout drops the client
         super().setup()
+        self.connection.settimeout(self.server.limits.socket_timeout_s)  # each read and write; then dropped
 
     def do_GET(self) -> None:
         if self.path == "/health":
