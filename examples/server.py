@@ -16,6 +16,12 @@ Inference runs once per request (batching the model too is out of scope here). E
 its own CUDA stream; the decoded tensor is ready on it without a host sync. The server prints one line,
 ``listening on http://HOST:PORT``, when it accepts requests (``--port 0`` picks a free port), and stops
 on Ctrl-C or SIGTERM.
+
+Bounds, each a constant below and a command-line option: the body's size (413 past it; Content-Length
+required, 411, and checked, 400), an idle socket's life (a client silent that long is dropped), open
+connections (503 past them), pixels per image (413, read from the header before decoding) and pixels
+being decoded at once across requests, which bounds decode memory (503 after waiting too long for
+room). Errors are answered with one line of JSON, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ import dataclasses
 import json
 import signal
 import sys
-from collections.abc import Callable
-from contextlib import nullcontext
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext, suppress
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from threadloader import BatchDecoder, LoaderClosedError, OutputFormat, SampleError
-from threadloader.decode.pillow import decode_rgb
+from threadloader.decode.pillow import decode_rgb, header_size
 from threadloader.service import QueueFullError
 
 SIZE = (224, 224)
@@ -44,21 +53,77 @@ MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 MODES = ("batched", "single", "pillow")
 
+MAX_BODY_MB = 32.0  # a larger body is refused (413) before it is read
+MAX_PIXELS = 50_000_000  # per image, from its header (about 8660 x 5770)
+MAX_PIXELS_IN_FLIGHT = 100_000_000  # decoded at once, all requests together: the decode-memory bound
+SOCKET_TIMEOUT_S = 10.0  # a client that sends nothing for this long is disconnected
+MAX_CONNECTIONS = 256  # connections served at once (a thread each); more are answered 503
+DECODE_WAIT_S = 30.0  # longest a request waits for room among the pixels in flight (then 503)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = int(MAX_BODY_MB * 2**20)
+    max_pixels: int = MAX_PIXELS
+    max_pixels_in_flight: int = MAX_PIXELS_IN_FLIGHT
+    socket_timeout_s: float = SOCKET_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+    decode_wait_s: float = DECODE_WAIT_S
+
+
+class Refused(Exception):
+    """A request the server will not serve, with the HTTP status that says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PixelBudget:
+    """A semaphore counted in pixels: decode memory grows with an image's pixels, whatever its file size
+    (a 9000x9000 PNG of one colour is a few hundred KB), so this bounds it across all requests."""
+
+    def __init__(self, pixels: int) -> None:
+        self.free = self.limit = pixels
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, pixels: int, *, timeout: float) -> Iterator[None]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.free >= pixels, timeout):
+                raise Refused(503, "the server is decoding as many pixels as it allows; retry later")
+            self.free -= pixels
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.free += pixels
+                self._changed.notify_all()
+
 
 class Classifier:
     """Bytes in, JSON-ready answer out; safe to call from every request thread at once."""
 
     def __init__(
-        self, *, mode: str, device: str | None, max_batch: int, max_delay_ms: float, model: str = "resnet50"
+        self,
+        *,
+        mode: str,
+        device: str | None,
+        max_batch: int,
+        max_delay_ms: float,
+        model: str = "resnet50",
+        limits: Limits = Limits(),
     ) -> None:
         self.decoder: BatchDecoder | None = None
+        self.limits = limits
+        self.budget = PixelBudget(limits.max_pixels_in_flight)
         if mode == "pillow":
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             output = OutputFormat(size=SIZE, dtype=torch.float32, mean=MEAN, std=STD)
 
             def decode_here(body: bytes) -> torch.Tensor:
                 try:
-                    pixels = decode_rgb(body)
+                    pixels = decode_rgb(body, max_pixels=limits.max_pixels)
                 except Exception as exc:  # answered 400, as BatchDecoder's SampleError is
                     raise SampleError.from_exception(exc, index=0, origin="body", stage="decode") from exc
                 return output.apply([torch.from_numpy(pixels).permute(2, 0, 1)])[0].to(self.device)
@@ -74,6 +139,7 @@ class Classifier:
                 mean=MEAN,
                 std=STD,
                 channels_last=True,
+                max_pixels=limits.max_pixels,
             )
             self.device = self.decoder.device
             self._decode = self.decoder.decode
@@ -81,10 +147,21 @@ class Classifier:
         self.model, self.categories = _resnet50(self.device) if model == "resnet50" else (None, [])
 
     def predict(self, body: bytes) -> dict[str, Any]:
-        """Decodes and classifies one image on a stream of its own."""
+        """Decodes and classifies one image on a stream of its own, within the pixel limits."""
+        try:
+            width, height = header_size(body)  # the header only: nothing decoded yet
+        except Exception as exc:
+            raise SampleError.from_exception(exc, index=0, origin="body", stage="decode") from exc
+        if width * height > self.limits.max_pixels:
+            raise Refused(
+                413,
+                f"the image is {width}x{height}, {width * height:,} pixels; this server decodes at most "
+                f"{self.limits.max_pixels:,} pixels per image: send a smaller image",
+            )
         cuda = self.device.type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else nullcontext():
-            image = self._decode(body)  # ready on this stream: BatchDecoder made it wait for the decode
+            with self.budget.hold(width * height, timeout=self.limits.decode_wait_s):
+                image = self._decode(body)  # ready on this stream: BatchDecoder made it wait for it
             answer: dict[str, Any] = {"shape": list(image.shape)}
             if self.model is None:
                 answer["checksum"] = round(float(image.double().sum()), 3)
@@ -124,6 +201,23 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], classifier: Classifier) -> None:
         super().__init__(address, Handler)
         self.classifier = classifier
+        self.limits = classifier.limits
+        self._connections = threading.BoundedSemaphore(self.limits.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._connections.acquire(blocking=False):  # refused here, without a thread
+            request.settimeout(1.0)
+            with suppress(OSError):
+                request.sendall(_response(503, {"error": "too many connections; retry later"}))
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -131,39 +225,71 @@ class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # else headers then body cost a 40 ms delayed-ACK round per reply
     server: Server
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.limits.socket_timeout_s)  # each read and write; then dropped
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._reply(200, {"status": "ok"})
         elif self.path == "/stats":
-            self._reply(200, self.server.classifier.stats())
+            budget = self.server.classifier.budget
+            pixels = {"pixels_in_flight": budget.limit - budget.free, "max_pixels_in_flight": budget.limit}
+            self._reply(200, {**self.server.classifier.stats(), **pixels})
         else:
-            self._reply(404, {"error": f"no such path {self.path!r}: POST /predict, GET /stats"})
+            self._reply(404, {"error": f"no such path {self.path[:100]!r}: POST /predict, GET /stats"})
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            if self.path != "/predict":
+                raise Refused(404, f"no such path {self.path[:100]!r}: POST the image to /predict")
+            self._reply(200, self.server.classifier.predict(self._body()))
+        except Refused as refused:
+            self._reply(refused.status, {"error": str(refused)})
+        except SampleError as error:
+            self._reply(400, {"error": str(error)})
+        except (QueueFullError, LoaderClosedError) as error:
+            self._reply(503, {"error": str(error)})
+        except OSError:
+            raise  # the connection failed (a timeout drops the client): there is no one to answer
+        except Exception:
+            traceback.print_exc()  # the details stay here; the client learns only that it failed
+            self._reply(500, {"error": "internal error"})
+
+    def _body(self) -> bytes:
+        """The request body, read only once its declared length is known to be acceptable."""
+        if "Transfer-Encoding" in self.headers:
+            raise Refused(411, "send the body with a Content-Length (chunked bodies are not accepted)")
+        lengths = self.headers.get_all("Content-Length", [])
+        if not lengths:
+            raise Refused(411, "Content-Length required: POST the image file's bytes")
+        if len(set(lengths)) > 1 or not (lengths[0].isascii() and lengths[0].isdigit()):
+            raise Refused(400, f"Content-Length must be one non-negative integer, got {lengths[0][:40]!r}")
+        length, limit = int(lengths[0]), self.server.limits.max_body_bytes
+        if length > limit:
+            raise Refused(413, f"the body is {length:,} bytes; this server takes at most {limit:,}")
+        if length == 0:
+            raise Refused(400, "empty body: POST the image file's bytes")
         body = self.rfile.read(length)
-        if self.path != "/predict":
-            self._reply(404, {"error": f"no such path {self.path!r}: POST the image to /predict"})
-        elif not body:
-            self._reply(400, {"error": "empty body: POST the image file's bytes"})
-        else:
-            try:
-                self._reply(200, self.server.classifier.predict(body))
-            except SampleError as error:
-                self._reply(400, {"error": str(error)})
-            except (QueueFullError, LoaderClosedError) as error:
-                self._reply(503, {"error": str(error)})
+        if len(body) < length:
+            raise Refused(400, f"the body ended after {len(body):,} of {length:,} bytes")
+        return body
 
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        if status >= 400:
+            self.close_connection = True  # any body left unread must not be taken for the next request
+        self.wfile.write(_response(status, payload, close=self.close_connection))
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would cost more than the decode
+
+
+def _response(status: int, payload: dict[str, Any], *, close: bool = True) -> bytes:
+    """A whole HTTP/1.1 response, so it goes out in one write."""
+    body = json.dumps(payload).encode()
+    head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
+    return head.encode() + body
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,7 +306,19 @@ def main(argv: list[str] | None = None) -> None:
         default="resnet50",
         help="none: decode only, answer a checksum",
     )
+    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB, help="larger bodies: 413")
+    parser.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="per image, from its header")
+    parser.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=MAX_PIXELS_IN_FLIGHT,
+        help="pixels decoded at once across requests (bounds decode memory); at least --max-pixels",
+    )
+    parser.add_argument("--timeout", type=float, default=SOCKET_TIMEOUT_S, help="seconds a client may idle")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="more: 503")
     args = parser.parse_args(argv)
+    if args.max_pixels_in_flight < args.max_pixels:
+        parser.error("--max-pixels-in-flight must be at least --max-pixels, or the largest images never fit")
 
     classifier = Classifier(
         mode=args.mode,
@@ -188,6 +326,13 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
         model=args.model,
+        limits=Limits(
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            max_pixels=args.max_pixels,
+            max_pixels_in_flight=args.max_pixels_in_flight,
+            socket_timeout_s=args.timeout,
+            max_connections=args.max_connections,
+        ),
     )
     server = Server((args.host, args.port), classifier)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -77,6 +79,23 @@ BAD_INPUTS = {
     "unreadable_file": (unreadable_file, "read"),
     "unsupported_format": (unsupported_format, "decode"),
 }
+
+
+#: A heap address as an object's default repr shows it (``<_io.BytesIO object at 0x7f...>``), or bare.
+HEAP_ADDRESS = re.compile(r"object at |0x[0-9a-fA-F]{8,}")
+
+
+def fifo_named_jpg(root: Path) -> str:
+    """A FIFO with an image's name: opening it for reading waits for a writer that never comes."""
+    path = root / "pipe.jpg"
+    os.mkfifo(path)
+    return str(path)
+
+
+def release_fifo(path: str) -> None:
+    """Ends a reader blocked opening ``path`` (it then reads end-of-file), so a failed test cannot hang."""
+    with contextlib.suppress(OSError):  # ENXIO: nobody is blocked reading it
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def corrupted_entropy_jpeg() -> bytes:

@@ -3,30 +3,42 @@
 from __future__ import annotations
 
 import gc
+import io
 import logging
+import os
 import threading
 import tracemalloc
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from PIL import Image, ImageDraw
 
-from threadloader import SampleError, ThreadLoader
+from threadloader import ImageFolder, SampleError, ThreadLoader
 from threadloader._stats import StatsRecorder
-from threadloader.decode.pillow import PillowDecoder
+from threadloader.decode.pillow import PillowDecoder, decode_rgb
 
 from .conftest import encode, mean_abs_diff, photo, reader_threads
 from .robustness_cases import (
     BAD_INPUTS,
     GOOD,
+    HEAP_ADDRESS,
     MUTATIONS,
     corrupted_entropy_jpeg,
     exit_with_a_loader_open,
     expected_rgb,
+    fifo_named_jpg,
     mutate,
     other_formats,
+    release_fifo,
 )
+
+T = TypeVar("T")
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -153,3 +165,209 @@ def test_fuzz_mutated_jpegs_never_escape_the_decoder(edits: list[tuple[int, int]
     assert (image is None) == (0 in batch.errors)
     if image is not None:
         assert image.dtype == torch.uint8 and image.shape[2] == 3
+
+
+# --- max_pixels is the one pixel limit, whatever Pillow's global (issue #13, finding 3) ---
+
+#: Pillow's limit in these tests, so that images past it stay small.
+PILLOW_LIMIT = 10_000
+
+
+def _pillow_rgb(data: bytes, monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    """The reference: Pillow itself, with its limit lifted for this one call."""
+    with monkeypatch.context() as lifted:
+        lifted.setattr(Image, "MAX_IMAGE_PIXELS", None)
+        with Image.open(io.BytesIO(data)) as image:
+            return np.array(image.convert("RGB"))
+
+
+@pytest.fixture
+def small_pillow_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", PILLOW_LIMIT)
+
+
+@pytest.mark.parametrize("max_pixels", [None, 40_000])
+@pytest.mark.usefixtures("small_pillow_limit")
+def test_max_pixels_none_or_above_pillows_limit_decodes(
+    max_pixels: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = encode(photo(150, 200, 3), "PNG")  # 30,000 pixels: past 2x Pillow's limit, where Pillow raises
+    with ThreadLoader([data], batch_size=1, device="cpu", max_pixels=max_pixels) as loader:
+        ((images, _),) = list(loader)
+    assert mean_abs_diff(images[0], _pillow_rgb(data, monkeypatch)) == 0
+
+
+@pytest.mark.usefixtures("small_pillow_limit")
+def test_no_decompression_bomb_warning_between_1x_and_2x_pillows_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = encode(photo(100, 120, 4), "PNG")  # 12,000 pixels: where Pillow warns
+    with warnings.catch_warnings(record=True) as caught:  # records the reader threads' warnings too
+        warnings.simplefilter("always")
+        direct = decode_rgb(data, max_pixels=20_000)
+        with ThreadLoader([data], batch_size=1, device="cpu", max_pixels=None) as loader:
+            ((images, _),) = list(loader)
+    assert [str(w.message) for w in caught if issubclass(w.category, Image.DecompressionBombWarning)] == []
+    reference = _pillow_rgb(data, monkeypatch)
+    assert np.array_equal(direct, reference) and mean_abs_diff(images[0], reference) == 0
+
+
+@pytest.mark.usefixtures("small_pillow_limit")
+def test_pixel_limit_error_names_the_sample_the_limit_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "big.png"
+    path.write_bytes(encode(photo(150, 200, 5), "PNG"))  # 30,000 pixels, past 2x Pillow's limit too
+    loader = ThreadLoader([str(path)], batch_size=1, device="cpu", max_pixels=25_000)
+    with loader, pytest.raises(SampleError) as caught:
+        list(loader)
+    message = str(caught.value)
+    assert message.startswith(f"sample 0 ({path}): decode failed: ")
+    assert "200x150 is 30,000 pixels, over the limit of 25,000" in message
+    assert "pass a larger max_pixels=, or None" in message
+
+
+@pytest.mark.usefixtures("small_pillow_limit")
+def test_pillows_own_limit_still_holds_in_other_threads() -> None:
+    """Lifting the limit for the loader's decodes must not lift it for other code using Pillow, even
+    while they run: a decode that set Pillow's global for its duration would let these opens through."""
+    data = encode(photo(150, 200, 6), "PNG")
+    stop = threading.Event()
+    decoded = []
+
+    def decode_in_a_loop() -> None:
+        while not stop.is_set():
+            decoded.append(decode_rgb(data, max_pixels=None).shape)
+
+    thread = threading.Thread(target=decode_in_a_loop)
+    thread.start()
+    try:
+        for _ in range(200):
+            with pytest.raises(Image.DecompressionBombError):
+                Image.open(io.BytesIO(data))
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive() and decoded and set(decoded) == {(150, 200, 3)}
+    assert Image.MAX_IMAGE_PIXELS == PILLOW_LIMIT
+
+
+def test_a_14000_square_png_decodes_with_max_pixels_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's case at its real size (196 million pixels, over 2x Pillow's default limit)."""
+    side = 14_000
+    drawing = Image.new("L", (side, side), 40)
+    for i in range(0, side, 1000):
+        ImageDraw.Draw(drawing).rectangle([i, i // 2, i + 500, i // 2 + 700], fill=i // 60 % 256)
+    out = io.BytesIO()
+    drawing.save(out, "PNG", compress_level=1)
+    del drawing
+    with ThreadLoader([out.getvalue()], batch_size=1, device="cpu", max_pixels=None) as loader:
+        ((images, _),) = list(loader)
+    with monkeypatch.context() as lifted:
+        lifted.setattr(Image, "MAX_IMAGE_PIXELS", None)
+        reference = torch.from_numpy(np.array(Image.open(out)))  # gray: each channel must equal it
+    assert images[0].shape == (3, side, side)
+    assert all(torch.equal(channel, reference) for channel in images[0])
+
+
+# --- no heap addresses in errors (finding 4) ---
+
+
+def test_sample_errors_carry_no_heap_address(tmp_path: Path) -> None:
+    paths = [make(tmp_path) for make, _ in BAD_INPUTS.values()]
+    blobs = [Path(path).read_bytes() for path in paths if Path(path).is_file()]
+    over_the_limit = encode(photo(120, 100, 1), quality=90)  # 12,000 pixels against max_pixels=10,000
+
+    class ShowsAnObject:
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, index: int) -> bytes:
+            raise LookupError(f"no label for {object()}")  # a default repr: <object object at 0x...>
+
+    messages = []
+    for source in [[sample] for sample in [*paths, *blobs, over_the_limit]] + [ShowsAnObject()]:
+        loader = ThreadLoader(source, batch_size=1, device="cpu", max_pixels=10_000)
+        with loader, pytest.raises(SampleError) as caught:
+            list(loader)
+        messages.append(str(caught.value))
+        assert caught.value.reason in messages[-1]
+    assert len(messages) == len(paths) + len(blobs) + 2
+    assert [m for m in messages if HEAP_ADDRESS.search(m)] == []
+    assert "<object object>" in messages[-1]  # the repr keeps its type
+
+
+# --- directory sources take regular files only; symlinked folders once (finding 5) ---
+
+
+def _within(seconds: float, work: Callable[[], T], *, release: Callable[[], None]) -> T:
+    """Runs ``work`` in a thread; fails the test (after ``release`` unblocks it) if it takes longer."""
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        release()
+        thread.join(10)
+        pytest.fail(f"still blocked after {seconds} s")
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
+def test_a_fifo_in_a_folder_is_left_out_at_listing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "a.jpg").write_bytes(GOOD[0])
+    fifo = fifo_named_jpg(tmp_path / "cat")
+
+    def load() -> tuple[list[tuple[str, int]], list[list[int]]]:
+        with ThreadLoader(str(tmp_path), batch_size=4, device="cpu") as loader:
+            return loader.source.samples, [targets.tolist() for _, targets in loader]  # type: ignore[attr-defined]
+
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        samples, batches = _within(20, load, release=lambda: release_fifo(fifo))
+    assert samples == [(str(tmp_path / "cat" / "a.jpg"), 0)] and batches == [[0]]
+    assert any(repr(fifo) in record.getMessage() for record in caplog.records)
+
+
+def test_a_fifo_or_device_given_as_a_path_is_a_read_error(tmp_path: Path) -> None:
+    fifo = fifo_named_jpg(tmp_path)
+    for path, kind in ((fifo, "a FIFO"), (os.devnull, "a character device")):
+
+        def load(path: str = path) -> SampleError:
+            loader = ThreadLoader([(GOOD[0], 0), (path, 1)], batch_size=1, device="cpu")
+            with loader, pytest.raises(SampleError) as caught:
+                list(loader)
+            return caught.value
+
+        error = _within(20, load, release=lambda: release_fifo(fifo))
+        assert (error.index, error.origin, error.stage) == (1, path, "read")
+        assert f"not a regular file ({kind})" in error.reason
+
+
+def test_symlinked_folders_are_followed_once_and_loops_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    for folder in (root / "cat" / "sub", root / "dog" / "real", outside):
+        folder.mkdir(parents=True)
+    for name in ("cat/a.jpg", "cat/sub/b.jpg", "dog/d.jpg", "dog/real/e.jpg"):
+        (root / name).write_bytes(GOOD[0])
+    (outside / "c.jpg").write_bytes(GOOD[1])
+    (root / "cat" / "sub" / "loop").symlink_to(root / "cat")  # back to an ancestor
+    (root / "cat" / "everything").symlink_to(root)  # the root: every class, this one included
+    (root / "cat" / "ext").symlink_to(outside)  # a folder elsewhere: followed
+    (root / "dog" / "alias").symlink_to(root / "dog" / "real")  # one real folder, two paths: listed once
+    with caplog.at_level(logging.WARNING, logger="threadloader"):  # os.walk would list for hours
+        folder = _within(20, lambda: ImageFolder(root), release=lambda: None)
+    expected = [("cat/a.jpg", 0), ("cat/ext/c.jpg", 0), ("cat/sub/b.jpg", 0), ("dog/alias/e.jpg", 1)]
+    expected.append(("dog/d.jpg", 1))
+    assert [(os.path.relpath(path, root), target) for path, target in folder.samples] == expected
+    loops = sorted(record.getMessage() for record in caplog.records if "symlink loop" in record.getMessage())
+    assert len(loops) == 2 and repr(str(root / "cat" / "everything")) in loops[0]

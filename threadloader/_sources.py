@@ -11,7 +11,9 @@ fsspec) plug in that way.
 from __future__ import annotations
 
 import abc
+import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,11 @@ class RemoteFile(Deferred):
 
 Encoded: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview | Deferred"
 _ENCODED_TYPES = (str, os.PathLike, bytes, bytearray, memoryview, Deferred)
+#: Non-blocking: opening a FIFO for reading would otherwise wait for a writer, forever. Reads of a regular
+#: file ignore the flag.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+logger = logging.getLogger("threadloader")
 
 
 class Source(Protocol):
@@ -110,7 +117,10 @@ class ImageFolder:
     """A directory laid out one sub-folder per class, in torchvision's ImageFolder order.
 
     Classes are the sorted sub-folder names, numbered from 0; files are sorted by path within each
-    class, and only files with an extension in :data:`IMAGE_EXTENSIONS` (any case) are kept.
+    class, and only regular files with an extension in :data:`IMAGE_EXTENSIONS` (any case) are kept.
+    Anything else with such a name (a FIFO, a socket, a device, a broken link) is left out with a
+    warning: reading it could block forever. Symlinked folders are followed, each real directory once
+    per class; a link back to a folder it is inside (a loop) is not followed, with a warning.
 
     Attributes:
         root: The directory.
@@ -132,11 +142,7 @@ class ImageFolder:
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
         for name in self.classes:
-            files = []
-            for dirpath, _, filenames in os.walk(self.root / name, followlinks=True):
-                files.extend(
-                    os.path.join(dirpath, f) for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)
-                )
+            files = _image_files(os.path.join(self.root, name))
             self.samples.extend((path, self.class_to_idx[name]) for path in sorted(files))
         if not self.samples:
             raise FileNotFoundError(
@@ -151,6 +157,59 @@ class ImageFolder:
 
     def __repr__(self) -> str:
         return f"ImageFolder({str(self.root)!r}, classes={len(self.classes)}, samples={len(self.samples)})"
+
+
+def _image_files(top: str) -> list[str]:
+    """Regular image files under ``top``, through symlinked folders, each real directory once.
+
+    ``os.walk(followlinks=True)`` (torchvision's way) walks a folder once per path that reaches it, so a
+    link to an ancestor repeats the tree until the path is too long, and a link to the root lists
+    every class under this one. Here folders are walked depth first in sorted order, so a directory
+    reached by two paths is listed under the first, whatever order the file system returns.
+    """
+    files: list[str] = []
+    others: list[str] = []
+    visited: set[tuple[int, int]] = set()
+    pending = [top]
+    while pending:
+        directory = pending.pop()
+        try:
+            status = os.stat(directory)
+            if (status.st_dev, status.st_ino) in visited:  # reached again through a link
+                continue
+            visited.add((status.st_dev, status.st_ino))
+            with os.scandir(directory) as scan:
+                entries = sorted(scan, key=lambda entry: entry.name)
+        except OSError as exc:
+            logger.warning("left out folder %r: %s: %s", directory, type(exc).__name__, exc)
+            continue
+        folders = []
+        for entry in entries:
+            if entry.is_dir():
+                if entry.is_symlink() and _links_to_ancestor(entry.path):
+                    logger.warning(
+                        "symlink loop: %r leads to %r, a folder it is inside; not followed",
+                        entry.path,
+                        os.path.realpath(entry.path),
+                    )
+                else:
+                    folders.append(entry.path)
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                (files if entry.is_file() else others).append(entry.path)
+        pending.extend(reversed(folders))
+    if others:
+        logger.warning(
+            "left out %d path(s) with an image extension that are not regular files (FIFO, socket, "
+            "device or broken link): %s",
+            len(others),
+            ", ".join(repr(path) for path in sorted(others)[:5]) + (", ..." if len(others) > 5 else ""),
+        )
+    return files
+
+
+def _links_to_ancestor(path: str) -> bool:
+    target = os.path.realpath(path)
+    return os.path.commonpath([target, os.path.realpath(os.path.dirname(path))]) == target
 
 
 def as_source(source: object) -> Source:
@@ -224,8 +283,10 @@ def fetch(source: Source, index: int) -> SampleRef:
 def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
     """Returns the encoded bytes of a sample, reading the file if it is a path.
 
+    Only regular files are read: a FIFO would block the reader forever, a device might never end.
+
     Raises:
-        SampleError: If the file cannot be read.
+        SampleError: If the file cannot be read, or is not a regular file.
         ImportError: If the sample is a URL and fsspec is not installed (a set-up error, not the sample's).
     """
     if isinstance(ref.data, Deferred):
@@ -238,10 +299,31 @@ def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
     if not isinstance(ref.data, (str, os.PathLike)):
         return ref.data
     try:
-        with open(ref.data, "rb", buffering=0) as f:  # unbuffered: one read of the whole file
-            return f.read()
+        with open(os.open(ref.data, _READ_FLAGS), "rb", buffering=0) as f:  # unbuffered: one read
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISREG(mode):
+                return f.read()
     except OSError as exc:
         raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
+    raise SampleError(
+        index=ref.index,
+        origin=ref.origin,
+        stage="read",
+        reason=f"not a regular file ({_file_kind(mode)}): only regular files are read",
+    )
+
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _file_kind(mode: int) -> str:
+    return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), stat.filemode(mode))
 
 
 def _locate(data: Encoded) -> Encoded:

@@ -6,7 +6,13 @@ a bad sample or a misuse of the loader from a bug anywhere else.
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["LoaderClosedError", "SampleError", "ThreadLoaderError"]
+
+#: The heap address in a default object repr (``<_io.BytesIO object at 0x7f...>``): of no use to a reader,
+#: and a server that forwards the message would leak its memory layout.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class ThreadLoaderError(RuntimeError):
@@ -24,15 +30,16 @@ class SampleError(ThreadLoaderError):
         index: The sample's index in the source.
         origin: Where the sample came from: its path, or a short description of in-memory bytes.
         stage: What failed: ``"fetch"`` (the source's ``__getitem__``), ``"read"`` or ``"decode"``.
-        reason: A one-line description of the cause.
+        reason: A one-line description of the cause, without heap addresses (an object's default repr
+            keeps its type: ``<_io.BytesIO object>``).
     """
 
     def __init__(self, *, index: int, origin: str, stage: str, reason: str) -> None:
         self.index = index
         self.origin = origin
         self.stage = stage
-        self.reason = reason
-        super().__init__(f"sample {index} ({origin}): {stage} failed: {reason}")
+        self.reason = _ADDRESS.sub("", reason)
+        super().__init__(f"sample {index} ({origin}): {stage} failed: {self.reason}")
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, index: int, origin: str, stage: str) -> SampleError:

@@ -8,36 +8,104 @@ dropped, 16-bit samples reduced to their high byte.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import cast
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .._cancel import check_cancelled
 from .._stats import StatsRecorder
 from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 
-__all__ = ["PillowDecoder", "decode_rgb"]
+__all__ = ["PillowDecoder", "decode_rgb", "header_size"]
 
 
 _SIXTEEN_BIT_GRAY = frozenset(["I;16", "I;16L", "I;16B", "I;16N", "I"])
+
+# max_pixels is the one pixel limit, whatever Pillow's own. Pillow has no per-call limit: its check,
+# Image._decompression_bomb_check, reads the process-wide Image.MAX_IMAGE_PIXELS and is called by
+# Image.open (from the header) and by plugins as they load (TIFF tiles, GIF frames); it warns between
+# 1x and 2x that limit and raises past 2x. Changing the global around a decode would race with every
+# other thread using Pillow, and warnings.catch_warnings is process-wide as well. So the check is
+# wrapped once, here: in a thread inside _limited, it applies that call's max_pixels (no warning band,
+# and None lifts it); in every other thread it is Pillow's own check, reading the global as before.
+_NOT_SET = object()
+_limit = threading.local()  # .max_pixels while this thread is inside _limited
+_pillow_bomb_check = Image._decompression_bomb_check
+
+
+def _bomb_check(size: tuple[int, int], **options: bool) -> None:
+    max_pixels = getattr(_limit, "max_pixels", _NOT_SET)
+    if max_pixels is _NOT_SET:
+        _pillow_bomb_check(size, **options)
+    else:
+        _check_pixels(size, cast("int | None", max_pixels))
+
+
+def _check_pixels(size: tuple[int, int], max_pixels: int | None) -> None:
+    error = pixel_limit_error(size[0], size[1], max_pixels)
+    if error is not None:
+        raise Image.DecompressionBombError(error)
+
+
+Image._decompression_bomb_check = _bomb_check
+
+
+@contextmanager
+def _limited(max_pixels: int | None) -> Iterator[None]:
+    """Makes ``max_pixels`` the limit of Pillow's decompression-bomb check in this thread."""
+    previous = getattr(_limit, "max_pixels", _NOT_SET)
+    _limit.max_pixels = max_pixels
+    try:
+        yield
+    finally:
+        if previous is _NOT_SET:
+            del _limit.max_pixels
+        else:
+            _limit.max_pixels = previous
+
+
+def _open(data: Encoded) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        # Pillow's message names the BytesIO by its repr, a heap address: say what was given instead.
+        raise UnidentifiedImageError(
+            f"cannot identify image file ({len(data)} bytes starting {bytes(data[:8])!r}): not a format "
+            "Pillow reads, or its header is damaged"
+        ) from None
+
+
+def header_size(data: Encoded) -> tuple[int, int]:
+    """The ``(width, height)`` an image's header declares, read without decoding it; no pixel limit.
+
+    Raises:
+        Exception: Whatever Pillow raises for data it cannot identify.
+    """
+    with _limited(None), _open(data) as image:
+        return image.size
 
 
 def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decodes one image to an ``(H, W, 3)`` ``uint8`` RGB array, EXIF orientation applied.
 
     Alpha is dropped (not composited); palettes are expanded; 16-bit samples keep their high byte,
-    as the GPU decoders scale them.
+    as the GPU decoders scale them. ``max_pixels`` is the only pixel limit (Pillow's global is not
+    consulted, and Pillow warns of nothing).
 
     Raises:
-        ValueError: If the header declares more than ``max_pixels`` pixels (nothing is decoded).
+        PIL.Image.DecompressionBombError: If the header declares more than ``max_pixels`` pixels
+            (nothing is decoded).
         Exception: Whatever Pillow raises for data it cannot decode.
     """
-    with Image.open(io.BytesIO(data)) as image:
-        limit = pixel_limit_error(image.width, image.height, max_pixels)
-        if limit is not None:
-            raise ValueError(limit)
+    with _limited(max_pixels), _open(data) as image:
+        # Image.open has checked the header's size through _bomb_check; checked again so that the
+        # limit holds whatever Pillow's plugins call.
+        _check_pixels(image.size, max_pixels)
         image.load()
         oriented = ImageOps.exif_transpose(image)
         if oriented.mode in _SIXTEEN_BIT_GRAY:

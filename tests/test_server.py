@@ -1,0 +1,247 @@
+"""examples/server.py bounds its input: each case against a real server on 127.0.0.1, in this process.
+
+Every socket has a timeout and every wait a deadline, so a server that fails to bound something fails
+its test instead of hanging it; nothing leaves loopback.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from .conftest import encode, photo
+from .robustness_cases import HEAP_ADDRESS
+
+HOST = "127.0.0.1"
+#: Longest a test waits for any reply: a server that does not answer in time has failed.
+CLIENT_TIMEOUT = 5.0
+
+
+def _load_server() -> ModuleType:
+    path = Path(__file__).parents[1] / "examples" / "server.py"
+    spec = importlib.util.spec_from_file_location("example_server", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+server_module = _load_server()
+
+
+@contextmanager
+def running(mode: str = "batched", **limits: Any) -> Iterator[Any]:
+    """The example server on an ephemeral loopback port, decoding on the CPU; stopped afterwards."""
+    classifier = server_module.Classifier(
+        mode=mode,
+        device="cpu",
+        max_batch=8,
+        max_delay_ms=1.0,
+        model="none",
+        limits=server_module.Limits(**{"socket_timeout_s": 2.0, **limits}),
+    )
+    server = server_module.Server((HOST, 0), classifier)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()  # joins the connection threads
+        classifier.close()
+        thread.join(CLIENT_TIMEOUT)
+
+
+def port_of(server: Any) -> int:
+    return int(server.server_address[1])
+
+
+def connect(server: Any) -> socket.socket:
+    return socket.create_connection((HOST, port_of(server)), timeout=CLIENT_TIMEOUT)
+
+
+def exchange(server: Any, raw: bytes) -> tuple[int, dict[str, Any]]:
+    """Sends ``raw`` bytes as they are and reads one response (status, JSON body)."""
+    with connect(server) as sock:
+        sock.sendall(raw)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+
+def post(server: Any, body: bytes) -> tuple[int, dict[str, Any]]:
+    connection = http.client.HTTPConnection(HOST, port_of(server), timeout=CLIENT_TIMEOUT)
+    try:
+        connection.request("POST", "/predict", body)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def png(width: int, height: int) -> bytes:
+    return encode(photo(height, width, 1), "PNG")
+
+
+GOOD = encode(photo(64, 80, 0), quality=90)
+
+
+def test_a_good_image_is_answered() -> None:
+    with running() as server:
+        status, reply = post(server, GOOD)
+    assert status == 200 and reply["shape"] == [3, 224, 224]
+
+
+def test_a_200_mb_body_is_refused_before_it_is_read() -> None:
+    """Only 64 KiB of the declared 200 MB are ever sent: the answer must come without the rest."""
+    declared = 200 * 2**20
+    head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode()
+    with running() as server:
+        status, reply = exchange(server, head + bytes(64 * 2**10))
+    assert status == 413
+    assert reply["error"] == f"the body is {declared:,} bytes; this server takes at most {32 * 2**20:,}"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ("Content-Length: 1000000000000\r\n", 413),
+        ("Content-Length: -1\r\n", 400),
+        ("Content-Length: abc\r\n", 400),
+        ("Content-Length: 1e3\r\n", 400),
+        ("Content-Length: 10\r\nContent-Length: 12\r\n", 400),
+        ("", 411),
+        ("Transfer-Encoding: chunked\r\n", 411),
+    ],
+    ids=["1e12", "negative", "abc", "float", "two", "missing", "chunked"],
+)
+def test_content_length_is_validated(headers: str, status: int) -> None:
+    """The client keeps the connection open after its body: a server that reads to EOF never answers."""
+    raw = f"POST /predict HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode() + GOOD
+    with running() as server:
+        got, reply = exchange(server, raw)
+        assert (got, post(server, GOOD)[0]) == (status, 200)  # and the server still serves
+    assert "Content-Length" in reply["error"] or "bytes" in reply["error"]
+
+
+def _handler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "process_request_thread" in t.name]
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789", b"POST /pre"],
+    ids=["body", "request-line"],
+)
+def test_a_half_open_request_times_out(partial: bytes) -> None:
+    timeout = 0.5
+    with running(socket_timeout_s=timeout) as server:
+        before = len(_handler_threads())
+        with connect(server) as sock:
+            sock.sendall(partial)
+            started = time.monotonic()
+            assert sock.recv(1024) == b""  # the server hung up (this client's own timeout is 5 s)
+            waited = time.monotonic() - started
+        deadline = time.monotonic() + CLIENT_TIMEOUT
+        while len(_handler_threads()) > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(_handler_threads()) == before  # its thread is gone too
+    assert timeout * 0.9 <= waited < timeout + 2
+
+
+def test_connections_are_bounded() -> None:
+    with running(max_connections=2, socket_timeout_s=CLIENT_TIMEOUT) as server, ExitStack() as idle:
+        holders = [idle.enter_context(connect(server)) for _ in range(2)]
+        for sock in holders:  # served (a thread each) once the server reads their first bytes
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        status, reply = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (status, reply) == (503, {"error": "too many connections; retry later"})
+        idle.close()  # the two hang up: their slots come back
+        deadline = time.monotonic() + CLIENT_TIMEOUT
+        while (status := exchange(server, b"GET /health HTTP/1.1\r\n\r\n")[0]) == 503:
+            assert time.monotonic() < deadline
+        assert status == 200
+
+
+@pytest.mark.parametrize("mode", ["batched", "pillow"])
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header(mode: str) -> None:
+    with running(mode, max_pixels=10_000, max_pixels_in_flight=10_000) as server:
+        status, reply = post(server, png(200, 150))
+        assert post(server, png(100, 100))[0] == 200  # at the limit
+    assert status == 413
+    assert reply["error"] == (
+        "the image is 200x150, 30,000 pixels; this server decodes at most 10,000 pixels per image: "
+        "send a smaller image"
+    )
+
+
+def test_decode_memory_in_flight_is_bounded() -> None:
+    """Four concurrent images of P pixels with room for 2P: never more than two decode at once.
+
+    The test's own wrapper around the decode counts the requests inside it, and holds each for up to a
+    second or until all four are in, so that an unbounded server shows all four at once."""
+    width, height, clients = 300, 200, 4
+    body = png(width, height)
+    inside, peak = 0, 0
+    changed = threading.Condition()
+
+    def counting(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        def wrapped(data: bytes) -> Any:
+            nonlocal inside, peak
+            with changed:
+                inside += 1
+                peak = max(peak, inside)
+                changed.notify_all()
+                changed.wait_for(lambda: inside == clients, timeout=1.0)
+            try:
+                return decode(data)
+            finally:
+                with changed:
+                    inside -= 1
+
+        return wrapped
+
+    with running(max_pixels=width * height, max_pixels_in_flight=2 * width * height) as server:
+        server.classifier._decode = counting(server.classifier._decode)
+        answers: list[int] = []
+        threads = [
+            threading.Thread(target=lambda: answers.append(post(server, body)[0])) for _ in range(clients)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(4 * CLIENT_TIMEOUT)
+    assert answers == [200] * clients and peak == 2
+
+
+def test_error_replies_carry_no_internals(capsys: pytest.CaptureFixture[str]) -> None:
+    junk = np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    with running() as server:
+        bad = [post(server, data) for data in (junk, b"not an image", GOOD[: len(GOOD) // 2])]
+
+        def broken(data: bytes) -> Any:
+            raise RuntimeError(f"state of {object()} in /srv/secret.py")
+
+        server.classifier._decode = broken
+        internal = post(server, GOOD)
+    assert [status for status, _ in bad] == [400, 400, 400]
+    assert "cannot identify image file (5000 bytes" in bad[0][1]["error"]
+    messages = [reply["error"] for _, reply in [*bad, internal]]
+    assert [m for m in messages if HEAP_ADDRESS.search(m) or "Traceback" in m] == []
+    assert internal == (500, {"error": "internal error"})
+    assert "secret" in capsys.readouterr().err  # the details are in the server's own log
