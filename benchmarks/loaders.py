@@ -4,7 +4,7 @@ Every factory is a generator function: the first ``next()`` builds the loader (s
 startup timer covers workers, decoders and preloading alike), later ones yield batches forever
 (epochs are cycled), and ``close()`` on the generator releases the workers. All yield the same
 output: float32 NCHW images in [0, 1] at the set's output size (normalized with ImageNet's mean and
-std in the ``--augment`` rows), int64 targets, on the device.
+std in the ``--augment`` and ``--normalize`` rows), int64 targets, on the device.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from threadloader.transforms import (
     Compose,
     RandomHorizontalFlip,
     RandomResizedCrop,
-    normalize,
     sample_generator,
 )
+from threadloader.transforms import normalize as normalize_images
 
 if TYPE_CHECKING:
     from nvidia import nvimgcodec
@@ -112,7 +112,8 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), label
 
 
-#: Normalization of the ``--augment`` rows (ImageNet's), as a ResNet-50 training pipeline does.
+#: Normalization of the ``--augment`` and ``--normalize`` rows (ImageNet's), as a ResNet-50 training
+#: pipeline does.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -139,9 +140,19 @@ def _pil_augmentation(size: Size) -> Any:
 
 
 def pil_dataloader(
-    files: Files, *, size: Size, batch_size: int, workers: int, device: str, augment: bool = False
+    files: Files,
+    *,
+    size: Size,
+    batch_size: int,
+    workers: int,
+    device: str,
+    augment: bool = False,
+    normalize: bool = False,
 ) -> Iterator[Batch]:
-    """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking."""
+    """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking.
+
+    ``normalize``: ImageNet's mean and std, in this process after the copy (so workers send ``uint8``).
+    """
     loader = DataLoader(
         PilDataset(files, size=size, augment=augment),
         batch_sampler=endless_batches(len(files), batch_size),
@@ -151,8 +162,8 @@ def pil_dataloader(
     )
     for images, targets in loader:
         floats = images.to(device, non_blocking=True).float().div_(255)
-        if augment:  # the training pipeline normalizes too; here on the GPU, after the copy
-            floats = normalize(floats, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
+        if normalize:  # as a training pipeline does; here on the device, after the copy
+            floats = normalize_images(floats, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
         yield floats, targets.to(device, non_blocking=True)
 
 
@@ -312,12 +323,14 @@ def threadloader(
     num_threads: int | None,
     device: str,
     augment: bool = False,
+    normalize: bool = False,
     region_decode: bool = True,
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
-    With ``augment``: RandomResizedCrop + flip + normalize, the crop decoded as its region unless
-    ``region_decode`` is off (then whole images are decoded and cropped: the comparison row).
+    With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``
+    is off (then whole images are decoded and cropped: the comparison row). ``normalize``: ImageNet's
+    mean and std.
     """
     module = import_optional("threadloader")
     previous = os.environ.get(REGION_DECODE_ENV)
@@ -329,8 +342,8 @@ def threadloader(
             num_threads=num_threads,
             size=size,
             dtype=torch.float32,
-            mean=IMAGENET_MEAN if augment else None,
-            std=IMAGENET_STD if augment else None,
+            mean=IMAGENET_MEAN if normalize else None,
+            std=IMAGENET_STD if normalize else None,
             device=device,
             transform=_augmentation(size) if augment else None,
         ) as loader:
