@@ -147,10 +147,10 @@ class OutputFormat:
                 work = resize(work, size)
         if self.dtype == torch.uint8:
             return to_dtype(work, torch.uint8, scale=True)
-        # The output's layout before the float arithmetic, not after: on the CPU, the per-channel
-        # constants broadcast over a channels_last batch take a slow path, and it is one copy either way.
-        layout = self._memory_format if size is not None else torch.contiguous_format
-        work = work.contiguous(memory_format=layout)
+        if work.device.type == "cpu":
+            # On a channels_last batch the per-channel constants broadcast along the innermost
+            # dimension, a slow path on the CPU: the arithmetic is several times faster on NCHW.
+            work = work.contiguous()
         if integer:
             work = work.div_(255)  # a new tensor here; exact, unlike a multiply by 1/255
         if self.mean is not None and self.std is not None:
@@ -721,16 +721,13 @@ def _resample_each(
     antialias: bool,
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """:func:`resample_many` on the CPU: each crop resized alone, into one ``channels_last`` batch.
+    """:func:`resample_many` on the CPU: each crop resized alone, into one contiguous batch.
 
     ``uint8`` to ``uint8`` stays integer (torch's fast kernel); otherwise a crop is resized in float32
-    (float64 when either side is), as :func:`_resample` computes, and rounded back to integers. Each
-    result is written into rows of an ``(B, H, W, C)`` tensor: torch's resize of ``channels_last``
-    input gives ``channels_last`` output, which copies there as one block, while ``torch.cat`` or
-    ``torch.stack`` of such tensors takes a slow strided path.
+    (float64 when either side is), as :func:`_resample` computes, and rounded back to integers.
     """
     target = dtype or images[0].dtype
-    out = torch.empty((len(images), *size, images[0].shape[-3]), dtype=target)
+    out = torch.empty((len(images), images[0].shape[-3], *size), dtype=target)
     for row, image, (top, left, height, width) in zip(out, images, regions, strict=True):
         crop = image[..., top : top + height, left : left + width].unsqueeze(0)  # keeps its strides
         if crop.dtype == target == torch.uint8:
@@ -740,8 +737,8 @@ def _resample_each(
             resized = resize(crop.to(compute), size, antialias=antialias)
             if not target.is_floating_point:
                 resized = resized.round().clamp_(0, 255)
-        row.copy_(resized[0].permute(1, 2, 0))
-    return out.permute(0, 3, 1, 2)
+        row.copy_(resized[0])
+    return out
 
 
 def _filter_weights(spans: torch.Tensor, out_size: int, padded: int, antialias: bool) -> torch.Tensor:
