@@ -7,6 +7,8 @@ Pillow decoder gives them: ``(H, W, 3)`` memory seen as ``(3, H, W)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,7 +92,7 @@ def test_resize_transform_on_a_list_resizes_each_image() -> None:
 def test_random_resized_crops_are_each_crop_resized_alone() -> None:
     crop = RandomResizedCrop(SIZE)
     generator = torch.Generator().manual_seed(3)
-    regions = [crop.sample(tuple(image.shape[-2:]), generator) for image in IMAGES]
+    regions = [crop.sample((image.shape[-2], image.shape[-1]), generator) for image in IMAGES]
     assert len({region[2:] for region in regions}) > 1  # crops of several sizes in one batch
     crops = [
         image[:, t : t + h, left : left + w] for image, (t, left, h, w) in zip(IMAGES, regions, strict=True)
@@ -113,7 +115,7 @@ def _formats() -> list[OutputFormat]:
 def test_an_image_gives_the_same_pixels_whatever_else_is_in_its_batch(output: OutputFormat) -> None:
     image = IMAGES[0]
     twin = decoded(*SHAPES[0], seed=99)  # same size: a batch of the two is one stacked tensor
-    batches = {  # each batch, and where the image is in it
+    batches: dict[str, tuple[Any, int]] = {  # each batch, and where the image is in it
         "alone": ([image], 0),
         "with larger and smaller": ([IMAGES[5], image, IMAGES[4]], 1),
         "with every size": ([*IMAGES[1:], image], len(IMAGES) - 1),
@@ -137,7 +139,7 @@ def test_random_resized_crop_of_an_image_does_not_depend_on_its_batch() -> None:
 def test_the_loader_gives_an_image_the_same_pixels_in_any_batch(dtype: torch.dtype) -> None:
     """End to end: decoded by Pillow, then batched with different neighbours (or none)."""
     blobs = [encode(photo(h, w, seed), quality=90) for seed, (h, w) in enumerate(SHAPES)]
-    options = {"size": SIZE, "dtype": dtype, "num_threads": 2, "device": "cpu"}
+    options: dict[str, Any] = {"size": SIZE, "dtype": dtype, "num_threads": 2, "device": "cpu"}
     if dtype != torch.uint8:
         options |= {"mean": MEAN, "std": STD}
     seen: dict[int, list[torch.Tensor]] = {}
