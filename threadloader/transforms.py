@@ -131,7 +131,8 @@ class OutputFormat:
         """Resizes a batch to ``size`` if needed, then converts and normalizes it.
 
         ``batch`` is a ``(B, 3, H, W)`` tensor, or a list of images of different sizes, which are
-        resampled together. Float outputs are resized in float, without rounding to integers first.
+        resampled together (on the CPU, each alone: :func:`resample_many`). Float outputs are resized
+        in float, without rounding to integers first.
         """
         integer = not batch[0].is_floating_point()
         if self.dtype == torch.uint8:
