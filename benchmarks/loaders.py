@@ -113,7 +113,8 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), label
 
 
-#: Normalization of the ``--augment`` rows (ImageNet's), as a ResNet-50 training pipeline does.
+#: Normalization of the ``--augment`` and ``--normalize`` rows (ImageNet's), as a ResNet-50 training
+#: pipeline does.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -149,7 +150,10 @@ def pil_dataloader(
     augment: bool = False,
     normalize: bool = False,
 ) -> Iterator[Batch]:
-    """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking."""
+    """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking.
+
+    ``normalize``: ImageNet's mean and std, in this process after the copy (so workers send ``uint8``).
+    """
     loader = DataLoader(
         PilDataset(files, size=size, augment=augment),
         batch_sampler=endless_batches(len(files), batch_size),
@@ -347,8 +351,9 @@ def threadloader(
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
-    With ``augment``: RandomResizedCrop + flip + normalize, the crop decoded as its region unless
-    ``region_decode`` is off (then whole images are decoded and cropped: the comparison row).
+    With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``
+    is off (then whole images are decoded and cropped: the comparison row). ``normalize``: ImageNet's
+    mean and std.
     """
     module = import_optional("threadloader")
     previous = os.environ.get(REGION_DECODE_ENV)

@@ -228,12 +228,13 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
     files = list_images(root)
     common = {"size": OUTPUT_SIZE[args.set], "device": args.device}
     b, w = args.batch_size, args.workers
+    pipeline = {"augment": args.augment, "normalize": args.normalize}  # the PIL and threadloader rows'
     rows = [
         Case(
             f"pil_dataloader w={w} b={b}",
             "pil_dataloader",
             b,
-            partial(loaders.pil_dataloader, files, batch_size=b, workers=w, augment=args.augment, **common),
+            partial(loaders.pil_dataloader, files, batch_size=b, workers=w, **pipeline, **common),
         ),
         Case(
             f"spawn_collate_nvimgcodec w={w} b={b}",
@@ -265,9 +266,7 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
             f"threadloader default threads b={b}",
             "threadloader",
             b,
-            partial(
-                loaders.threadloader, root, batch_size=b, num_threads=None, augment=args.augment, **common
-            ),
+            partial(loaders.threadloader, root, batch_size=b, num_threads=None, **pipeline, **common),
         ),
     ]
     if args.augment:  # the same pipeline decoding whole images and cropping them: what regions save
@@ -281,8 +280,8 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
                     root,
                     batch_size=b,
                     num_threads=None,
-                    augment=True,
                     region_decode=False,
+                    **pipeline,
                     **common,
                 ),
             )
@@ -293,9 +292,7 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
                 f"threadloader t={t} b={sb}",
                 "threadloader",
                 sb,
-                partial(
-                    loaders.threadloader, root, batch_size=sb, num_threads=t, augment=args.augment, **common
-                ),
+                partial(loaders.threadloader, root, batch_size=sb, num_threads=t, **pipeline, **common),
             )
             for t in args.threads
             for sb in args.batch_sizes
@@ -383,11 +380,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="PIL and threadloader rows: RandomResizedCrop + flip + normalize (training augmentation) "
         "instead of resize, and a threadloader row decoding whole images instead of crop regions",
     )
+    p.add_argument(
+        "--normalize",
+        action="store_true",
+        help="PIL and threadloader rows: normalize with ImageNet's mean and std (implied by --augment)",
+    )
     args = p.parse_args(argv)
     for name, (full, quick) in _DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.set = args.set or ("varied" if args.training else "fixed")
+    args.normalize = args.normalize or args.augment
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.sweep is None:
         args.sweep = not (args.quick or args.training)
@@ -414,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
         config={
             "mode": "training" if args.training else "throughput",
             "augment": args.augment,
+            "normalize": args.normalize,
             "set": args.set,
             "count": args.count,
             "output_size": "x".join(map(str, OUTPUT_SIZE[args.set])),

@@ -90,6 +90,11 @@ def header_size(data: Encoded) -> tuple[int, int]:
         return image.size
 
 
+#: The EXIF orientation tag, and its values that flip or rotate the image (1 is upright).
+_ORIENTATION = 0x0112
+_TURNS = frozenset(range(2, 9))
+
+
 def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decodes one image to an ``(H, W, 3)`` ``uint8`` RGB array, EXIF orientation applied.
 
@@ -107,7 +112,9 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
         # limit holds whatever Pillow's plugins call.
         _check_pixels(image.size, max_pixels)
         image.load()
-        oriented = ImageOps.exif_transpose(image)
+        # exif_transpose copies an image it does not turn: only call it for an orientation that turns.
+        turned = image.getexif().get(_ORIENTATION, 1) in _TURNS
+        oriented = ImageOps.exif_transpose(image) if turned else image
         if oriented.mode in _SIXTEEN_BIT_GRAY:
             gray = (np.asarray(oriented, dtype=np.uint32) >> 8).clip(0, 255).astype(np.uint8)
             return np.repeat(gray[..., None], 3, axis=2)
