@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Full
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -194,7 +194,7 @@ class _RequestQueue:
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
             request.future.cancel()
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, Any]:
         """Requests queued now, and the queue's counters, read together."""
         with self._lock:
             return {
@@ -227,10 +227,10 @@ class _Metrics:
             else:
                 self.failed += 1
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             latencies = list(self._latencies)
-            values: dict[str, object] = {
+            values: dict[str, Any] = {
                 "completed": self.completed,
                 "failed": self.failed,
                 "batches": self.batches,
@@ -519,7 +519,7 @@ class BatchDecoder:
             **self._queue.counts(),
             cpu_fallbacks=pipeline.cpu_fallbacks,
             stage_seconds=pipeline.stage_seconds,
-            **self._metrics.snapshot(),  # type: ignore[arg-type]
+            **self._metrics.snapshot(),
         )
 
     def close(self, *, cancel_pending: bool = False) -> None:

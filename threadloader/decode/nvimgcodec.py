@@ -9,6 +9,10 @@ GIL, so the other threads keep working while one decodes.
 Outputs are decoded straight into torch-allocated memory on the calling thread's stream: the batch
 tensor is allocated first, each slice is wrapped with ``nvimgcodec.as_image`` on that same stream (a
 different stream would make nvImageCodec synchronize the host), and passed as ``images=``.
+
+The process-wide state (Decoders, device locks, allocation streams, region verdicts) is one
+:class:`DecoderRegistry`. A batch goes through phases that each return what the next one takes:
+parse and classify, allocate, decode under the lock, retry failed regions whole, fall back to Pillow.
 """
 
 from __future__ import annotations
