@@ -10,7 +10,6 @@ std in the ``--augment`` rows and where ``normalize`` is set), int64 targets, on
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +20,6 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from threadloader.decode.nvimgcodec import REGION_DECODE_ENV
 from threadloader.transforms import (
     Compose,
     RandomHorizontalFlip,
@@ -356,26 +354,19 @@ def threadloader(
     mean and std.
     """
     module = import_optional("threadloader")
-    previous = os.environ.get(REGION_DECODE_ENV)
-    os.environ[REGION_DECODE_ENV] = "1" if region_decode else "0"
-    try:
-        with module.ThreadLoader(
-            root,
-            batch_size=batch_size,
-            drop_last=True,  # full batches only, as the other rows' endless batch samplers give
-            num_threads=num_threads,
-            size=size,
-            dtype=torch.float32,
-            mean=IMAGENET_MEAN if augment or normalize else None,
-            std=IMAGENET_STD if augment or normalize else None,
-            device=device,
-            transform=_augmentation(size) if augment else None,
-            channels_last=channels_last,
-        ) as loader:
-            for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
-                yield images, targets.to(device, non_blocking=True)
-    finally:
-        if previous is None:
-            os.environ.pop(REGION_DECODE_ENV, None)
-        else:
-            os.environ[REGION_DECODE_ENV] = previous
+    with module.ThreadLoader(
+        root,
+        batch_size=batch_size,
+        drop_last=True,  # full batches only, as the other rows' endless batch samplers give
+        num_threads=num_threads,
+        size=size,
+        dtype=torch.float32,
+        mean=IMAGENET_MEAN if augment or normalize else None,
+        std=IMAGENET_STD if augment or normalize else None,
+        device=device,
+        transform=_augmentation(size) if augment else None,
+        channels_last=channels_last,
+        region_decode=region_decode,
+    ) as loader:
+        for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
+            yield images, targets.to(device, non_blocking=True)

@@ -20,7 +20,6 @@ import torch
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
 from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD
 from threadloader import ThreadLoader
-from threadloader.decode.nvimgcodec import REGION_DECODE_ENV
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, sample_generator
 
 
@@ -28,7 +27,6 @@ def loader_row(
     root: os.PathLike[str], *, set_name: str, augment: bool, region: bool, threads: int | None, batches: int
 ) -> str:
     """Runs one loader configuration and describes its throughput and stages."""
-    os.environ[REGION_DECODE_ENV] = "1" if region else "0"
     size = OUTPUT_SIZE[set_name]
     options = (
         {
@@ -40,7 +38,13 @@ def loader_row(
         else {"size": size}
     )
     with ThreadLoader(
-        root, batch_size=32, shuffle=True, num_threads=threads, dtype=torch.float32, **options
+        root,
+        batch_size=32,
+        shuffle=True,
+        num_threads=threads,
+        dtype=torch.float32,
+        region_decode=region,
+        **options,
     ) as loader:
         epoch = iter(loader)
 

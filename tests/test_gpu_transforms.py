@@ -30,10 +30,24 @@ pytestmark = pytest.mark.gpu
 SAMPLES = [(data, i) for i, (_, data) in enumerate(sorted(jpeg_corpus().items()) * 2)]
 
 
-def _crops(device: str, *, num_threads: int = 2, seed: int = 5) -> tuple[dict[int, torch.Tensor], object]:
+def _crops(
+    device: str,
+    *,
+    num_threads: int = 2,
+    seed: int = 5,
+    region_decode: bool | None = None,
+    decoder: nv_module.NvImageCodecDecoder | None = None,
+) -> tuple[dict[int, torch.Tensor], object]:
     transform = [RandomResizedCrop(48), RandomHorizontalFlip()]
     with ThreadLoader(
-        SAMPLES, batch_size=8, seed=seed, device=device, num_threads=num_threads, transform=transform
+        SAMPLES,
+        batch_size=8,
+        seed=seed,
+        device=device,
+        num_threads=num_threads,
+        transform=transform,
+        region_decode=region_decode,
+        decoder=decoder,
     ) as loader:
         images = {
             target: image
@@ -57,18 +71,41 @@ def test_region_decoding_gives_the_cpu_paths_crops() -> None:
     assert _far(gpu, cpu) == {}
 
 
-def test_region_decoding_equals_whole_decode_and_crop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_region_decoding_equals_whole_decode_and_crop() -> None:
     regions, with_regions = _crops("cuda")
-    monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
-    whole, without = _crops("cuda")
+    whole, without = _crops("cuda", region_decode=False)
     assert with_regions.region_decodes > 0 and without.region_decodes == 0  # type: ignore[attr-defined]
     assert _far(regions, whole) == {}
 
 
-def test_a_gpu_failing_the_region_check_decodes_whole_images(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nv_module, "_regions_checked", {})
-    monkeypatch.setattr(nv_module.NvImageCodecDecoder, "_check_regions", lambda self, decoder: False)
-    images, stats = _crops("cuda")
+def test_the_environment_turns_region_decoding_off_when_the_loader_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
+    loader = ThreadLoader(SAMPLES, batch_size=8, device="cuda", transform=[RandomResizedCrop(48)])
+    monkeypatch.delenv(nv_module.REGION_DECODE_ENV)  # read once, at construction
+    with loader:
+        assert sum(len(targets) for _, targets in loader) == len(SAMPLES)
+        assert loader.stats().region_decodes == 0  # type: ignore[attr-defined]
+
+
+class _Verdict(nv_module.DecoderRegistry):
+    """A registry of its own whose region check gives ``works``, whatever the GPU does."""
+
+    def __init__(self, works: bool, new_decoder=nv_module.new_nvimgcodec_decoder) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(new_decoder)
+        self._works = works
+
+    def regions_work(self, key: nv_module.DecoderKey, check) -> bool:  # type: ignore[no-untyped-def]
+        return super().regions_work(key, lambda: self._works)
+
+
+def _decoder_with(registry: nv_module.DecoderRegistry) -> nv_module.NvImageCodecDecoder:
+    return nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2, registry=registry)
+
+
+def test_a_gpu_failing_the_region_check_decodes_whole_images() -> None:
+    images, stats = _crops("cuda", decoder=_decoder_with(_Verdict(False)))
     reference, _ = _crops("cpu")
     assert stats.region_decodes == 0  # type: ignore[attr-defined]
     assert _far(images, reference) == {}
@@ -76,7 +113,7 @@ def test_a_gpu_failing_the_region_check_decodes_whole_images(monkeypatch: pytest
 
 def test_the_region_check_passes_on_this_gpu() -> None:
     decoder = nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
-    region_decoder, _ = nv_module._shared_decoder(0, nv_module._REGION_BACKEND, 2)
+    region_decoder, _ = nv_module.SHARED.decoder((0, nv_module.REGION_BACKEND, 2))
     assert decoder._check_regions(region_decoder)
 
 
@@ -113,9 +150,7 @@ def test_transforms_on_cuda_tensors_match_the_cpu() -> None:
     assert (batched_gpu.int() - batched_cpu.int()).abs().max() <= 1
 
 
-def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest.LogCaptureFixture) -> None:
     """Region decodes that return nothing (as nvImageCodec issue #55 reports) are retried whole on
     the GPU and cropped; when most of a call fails, the device stops decoding regions, with a warning."""
 
@@ -123,20 +158,14 @@ def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(
         def decode(self, sources, **kwargs):  # type: ignore[no-untyped-def]
             return [None] * len(sources)
 
-    real = nv_module._shared_decoder
-
     def failing_regions(index: int, backend: str, threads: int):  # type: ignore[no-untyped-def]
-        decoder, lock = real(index, backend, threads)
-        return (NoRegions() if backend == nv_module._REGION_BACKEND else decoder), lock
+        if backend == nv_module.REGION_BACKEND:
+            return NoRegions()
+        return nv_module.new_nvimgcodec_decoder(index, backend, threads)
 
-    monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
-    _, whole = _crops("cuda")
-    monkeypatch.delenv(nv_module.REGION_DECODE_ENV)
-    monkeypatch.setattr(nv_module, "_shared_decoder", failing_regions)
-    monkeypatch.setattr(nv_module, "_regions_checked", {})
-    monkeypatch.setattr(nv_module.NvImageCodecDecoder, "_check_regions", lambda self, decoder: True)
+    _, whole = _crops("cuda", region_decode=False)
     with caplog.at_level("WARNING", logger="threadloader"):
-        images, stats = _crops("cuda")
+        images, stats = _crops("cuda", decoder=_decoder_with(_Verdict(True, failing_regions)))
     reference, _ = _crops("cpu")
     assert stats.region_decodes == 0  # type: ignore[attr-defined]
     assert stats.cpu_fallbacks == whole.cpu_fallbacks  # type: ignore[attr-defined]  # retried on the GPU

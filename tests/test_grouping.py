@@ -4,6 +4,7 @@ must not be able to tell, in order, content, errors or skips."""
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Sequence
 
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from threadloader import SampleError, ThreadLoader
-from threadloader import _device as device_module
 from threadloader._sampling import group_batches
 from threadloader.transforms import Images, RandomHorizontalFlip, RandomResizedCrop, Region, Transform
 
@@ -115,6 +115,31 @@ def test_fetch_error_inside_a_group_delivers_the_batches_before_it(samples: list
     assert seen == [[0, 1, 2], [3, 4, 5]] and caught.value.stage == "fetch"
 
 
+def test_errors_of_reading_and_decoding_come_in_the_batch_order(
+    samples: list[tuple[bytes, int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken:
+        def __len__(self) -> int:
+            return len(samples)
+
+        def __getitem__(self, index: int) -> tuple[bytes, int]:
+            if index in (6, 9):
+                raise KeyError("lost")
+            return (b"not an image", index) if index in (5, 8) else samples[index]
+
+    options = dict(batch_size=4, decode_batch_size=12, device="cpu", num_threads=1)
+    skipping = ThreadLoader(Broken(), on_error="skip", **options)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="threadloader"), skipping as loader:
+        batches = [targets.tolist() for _, targets in loader]
+    found = [re.match(r"skipping sample (\d+) .*: (\w+) failed", r.getMessage()) for r in caplog.records]
+    skipped = [(int(m[1]), m[2]) for m in found if m]
+    assert skipped == [(5, "decode"), (6, "fetch"), (8, "decode"), (9, "fetch")]
+    assert batches[1] == [4, 7] and batches[2] == [10, 11]
+    with ThreadLoader(Broken(), **options) as loader, pytest.raises(SampleError) as caught:  # type: ignore[arg-type]
+        list(loader)
+    assert (caught.value.index, caught.value.stage) == (5, "decode")  # the batch's first bad sample
+
+
 def test_skip_inside_a_group(samples: list[tuple[bytes, int]]) -> None:
     broken = list(samples)
     for index in (1, 4, 5, 6, 7):
@@ -153,7 +178,6 @@ def _region_epoch(
 ) -> tuple[list[tuple[torch.Tensor, list[int]]], list[int]]:
     """An epoch through a fake region decoder (regions in a padded tensor, as on the GPU); also the
     number of images of each ``RandomResizedCrop.apply_many`` call."""
-    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: RegionDecoder())
     crop = RandomResizedCrop(16)
     calls: list[int] = []
     resample = crop.apply_many
@@ -163,7 +187,9 @@ def _region_epoch(
         return resample(images, params)
 
     monkeypatch.setattr(crop, "apply_many", counting)
-    options = dict(batch_size=4, shuffle=True, seed=0, num_threads=num_threads, on_error="skip", device="cpu")
+    options = dict(
+        batch_size=4, shuffle=True, seed=0, num_threads=num_threads, on_error="skip", decoder=RegionDecoder()
+    )
     transform = [crop, RandomHorizontalFlip()]
     with ThreadLoader(source, decode_batch_size=decode_batch_size, transform=transform, **options) as loader:
         return [(images, targets.tolist()) for images, targets in loader], calls
@@ -216,11 +242,11 @@ class _SizeUnknown(Transform):
 
 
 def test_a_group_formatted_at_once_into_lists_gives_images_of_their_own(
-    monkeypatch: pytest.MonkeyPatch, sized: list[tuple[bytes, int]]
+    sized: list[tuple[bytes, int]],
 ) -> None:
-    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: RegionDecoder())
     transform = [RandomResizedCrop(16), _SizeUnknown()]
-    with ThreadLoader(sized, batch_size=4, decode_batch_size=12, transform=transform, device="cpu") as loader:
+    options = dict(batch_size=4, decode_batch_size=12, transform=transform, decoder=RegionDecoder())
+    with ThreadLoader(sized, **options) as loader:  # type: ignore[arg-type]
         batches = [images for images, _ in loader]
     assert [len(images) for images in batches] == [4] * 5 + [3]
     for images in batches:

@@ -26,6 +26,7 @@ from torch.utils.data import (
 )
 
 from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
+from threadloader.decode import PillowDecoder
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 from .conftest import encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
@@ -469,6 +470,7 @@ def test_batch_sampler(indexed: list[tuple[bytes, int]], refs: list[np.ndarray],
     "options",
     [
         {"batch_size": 4},
+        {"batch_size": 32},  # the default's value, given: refused too, as DataLoader does
         {"shuffle": True},
         {"sampler": [0, 1]},
         {"drop_last": True},
@@ -479,6 +481,55 @@ def test_batch_sampler_is_mutually_exclusive(indexed: list[tuple[bytes, int]], o
         ThreadLoader(indexed, batch_sampler=[[0, 1]], **options)
     with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
         DataLoader(range(4), batch_sampler=[[0, 1]], **options)  # the same rule as DataLoader
+
+
+def test_batch_size_left_unset_or_none_goes_with_a_batch_sampler(indexed: list[tuple[bytes, int]]) -> None:
+    for options in ({}, {"batch_size": None}):
+        with ThreadLoader(indexed, batch_sampler=[[3, 1], [0, 2, 4]], device="cpu", **options) as loader:
+            assert [targets.tolist() for _, targets in loader] == [[3, 1], [0, 2, 4]]
+    with ThreadLoader(indexed, device="cpu") as loader:  # and unset without one, it is 32
+        assert [len(targets) for _, targets in loader] == [20]
+        assert len(ThreadLoader(list(range(70)), device="cpu")) == 3
+
+
+def test_a_decoder_passed_in_decodes_and_sets_the_device(
+    indexed: list[tuple[bytes, int]], refs: list[np.ndarray]
+) -> None:
+    calls = []
+
+    class Counting(PillowDecoder):
+        def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
+            calls.append(len(encoded))
+            return super().decode(encoded, stream=stream, stats=stats)
+
+    with ThreadLoader(indexed[:6], batch_size=3, decoder=Counting(), num_threads=1) as loader:
+        assert loader.device == torch.device("cpu")
+        for images, targets in loader:
+            for image, target in zip(images, targets.tolist(), strict=True):
+                np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), refs[target])
+    assert calls == [3, 3]
+
+
+class _OnAGpu(PillowDecoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"backend": "hybrid"}, "backend configure the built-in decoder"),
+        ({"decode_threads": 2, "max_pixels": None}, "decode_threads, max_pixels configure the built-in"),
+        ({"region_decode": False}, "region_decode configure the built-in decoder"),
+        ({"device": "cpu", "decoder": _OnAGpu()}, r"device='cpu' but decoder=.* decodes on cuda:0"),
+    ],
+)
+def test_a_decoder_passed_in_refuses_the_options_it_would_ignore(
+    indexed: list[tuple[bytes, int]], options: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ThreadLoader(indexed, **{"decoder": PillowDecoder(), **options})
 
 
 def test_sampler_and_shuffle_are_mutually_exclusive(indexed: list[tuple[bytes, int]]) -> None:

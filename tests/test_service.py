@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from threadloader import BatchDecoder, LoaderClosedError, SampleError, ThreadLoaderError
-from threadloader import _device as device_module
 from threadloader._stats import StatsRecorder
 from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
 from threadloader.decode.base import RegionOf
@@ -74,16 +73,15 @@ class GatedDecoder(ImageDecoder):
 
 
 @pytest.fixture
-def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedDecoder]:
+def gated() -> Iterator[GatedDecoder]:
     decoder = GatedDecoder()
-    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: decoder)
     yield decoder
     decoder.gate.set()  # never leave a worker blocked, whatever the test did
 
 
 def plugged(decoder: GatedDecoder, **options: object) -> tuple[BatchDecoder, concurrent.futures.Future]:
     """A one-worker service whose worker is blocked in the decoder on a first request."""
-    service = BatchDecoder(device="cpu", num_threads=1, max_delay_ms=0, **options)  # type: ignore[arg-type]
+    service = BatchDecoder(decoder=decoder, num_threads=1, max_delay_ms=0, **options)  # type: ignore[arg-type]
     plug = service.submit(encode(photo(8, 8)))
     assert decoder.entered.wait(5)
     return service, plug
@@ -295,7 +293,7 @@ def test_pixel_limit_fails_the_request(blobs: list[bytes], refs: list[np.ndarray
 
 
 def test_a_failing_batch_fails_its_requests_and_the_service_goes_on(
-    monkeypatch: pytest.MonkeyPatch, blobs: list[bytes], refs: list[np.ndarray]
+    blobs: list[bytes], refs: list[np.ndarray]
 ) -> None:
     class Flaky(PillowDecoder):
         calls = 0
@@ -306,8 +304,7 @@ def test_a_failing_batch_fails_its_requests_and_the_service_goes_on(
                 raise MemoryError("out of memory")
             return super().decode(encoded, stream=stream, stats=stats)
 
-    monkeypatch.setattr(device_module, "make_decoder", lambda *args, **kwargs: Flaky())
-    with BatchDecoder(device="cpu", num_threads=1) as service:
+    with BatchDecoder(decoder=Flaky(), num_threads=1) as service:
         with pytest.raises(MemoryError):
             service.decode(blobs[0])
         assert_image(service.decode(blobs[1]), refs[1])

@@ -47,9 +47,10 @@ def sample_photos(count: int, *, side: int = 256, seed: int = 0) -> list[tuple[b
         photo = photos[label]
         crop = rng.randint(side // 2, min(photo.size))
         left, top = rng.randint(0, photo.width - crop), rng.randint(0, photo.height - crop)
-        image = photo.crop((left, top, left + crop, top + crop)).resize((side, side), Image.BILINEAR)
+        image = photo.crop((left, top, left + crop, top + crop))
+        image = image.resize((side, side), Image.Resampling.BILINEAR)
         if rng.random() < 0.5:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         out = io.BytesIO()
         image.save(out, "JPEG", quality=90)
         return out.getvalue(), label
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> str:
                     sync()
                     first, timed = time.perf_counter() - start, time.perf_counter()
                 else:
-                    counted += batch.shape[0]
+                    counted += len(batch)
         sync()
         elapsed = time.perf_counter() - timed if first is not None else 0.0
         bad = loader.stats().skipped // args.epochs

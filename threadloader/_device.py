@@ -24,7 +24,6 @@ __all__ = [
     "default_num_threads",
     "make_decoder",
     "resolve_device",
-    "set_up_decoding",
 ]
 
 logger = logging.getLogger("threadloader")
@@ -41,8 +40,8 @@ def default_num_threads(device: torch.device) -> int:
     """Default reader threads.
 
     On the GPU decoding is serialized and the rest of a batch's work holds the GIL, so more threads
-    only contend: on an H200 with 256x256 JPEGs, 2 threads were fastest (1: 12.4k, 2: 14.2k, 4: 9.2k,
-    8: 7.4k images/s at batch 32). On the CPU each thread decodes with the GIL released.
+    only contend: 2 were fastest (docs/benchmarks.md). On the CPU each thread decodes with the GIL
+    released.
     """
     cpus = available_cpus()
     return min(2, cpus) if device.type == "cuda" else min(32, cpus)
@@ -51,8 +50,7 @@ def default_num_threads(device: torch.device) -> int:
 def default_decode_batch_size(device: torch.device, batch_size: int) -> int:
     """Images per decoder call: 128 on the GPU (or one batch, if larger), one output batch on the CPU.
 
-    The GPU decoder is faster per image on large batches: on an H200, batch 32 from 2 threads ran at
-    13.9k images/s decoding 32 at a time, 15.1-17.4k decoding 128, 15.7k decoding 256.
+    The GPU decoder is faster per image on large batches, up to about 128 (docs/benchmarks.md).
     """
     return max(128, batch_size) if device.type == "cuda" else batch_size
 
@@ -150,9 +148,14 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
 
 
 def make_decoder(
-    device: torch.device, *, backend: str, cpu_threads: int, max_pixels: int | None = DEFAULT_MAX_PIXELS
+    device: torch.device,
+    *,
+    backend: str,
+    cpu_threads: int,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    region_decode: bool = True,
 ) -> ImageDecoder:
-    """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU."""
+    """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU (which decodes whole images)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     if device.type == "cpu":
@@ -161,25 +164,7 @@ def make_decoder(
                 f"backend={backend!r} selects an nvImageCodec backend; with device='cpu' Pillow decodes"
             )
         return PillowDecoder(max_pixels=max_pixels)
-    return NvImageCodecDecoder(device, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels)
-
-
-def set_up_decoding(
-    *,
-    device: str | torch.device | int | None,
-    num_threads: int | None,
-    backend: str,
-    decode_threads: int | None,
-    max_pixels: int | None,
-) -> tuple[torch.device, int, ImageDecoder]:
-    """What every front end does first: the device, the reader-thread count and the decoder for them."""
-    if num_threads is not None and num_threads < 1:
-        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
-    resolved = resolve_device(device)
-    threads = num_threads or default_num_threads(resolved)
-    cpu_threads = decode_threads or default_decode_threads(threads)
-    return (
-        resolved,
-        threads,
-        make_decoder(resolved, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels),
+    return NvImageCodecDecoder(
+        device, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels, region_decode=region_decode
     )
+

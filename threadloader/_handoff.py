@@ -64,13 +64,16 @@ class Ready:
     tensors: list[torch.Tensor]
     event: torch.cuda.Event | None
 
-    def receive(self) -> None:
-        """Makes the tensors safe to use on the consumer's current stream of their device."""
+    def receive(self, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Makes the tensors safe to use on ``stream``: by default the current one of their device.
+
+        A service passes the stream that was current in the thread that asked for them.
+        """
         if self.event is None:
             return
-        device = self.tensors[0].device if self.tensors else None
-        consumer = torch.cuda.current_stream(device)
-        consumer.wait_event(self.event)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.tensors[0].device if self.tensors else None)
+        stream.wait_event(self.event)
         for tensor in self.tensors:
             if tensor.is_cuda:
-                tensor.record_stream(consumer)
+                tensor.record_stream(stream)

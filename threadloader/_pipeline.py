@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -98,12 +98,20 @@ class BatchProducer:
             skipped; or, with ``on_error="raise"``, the :class:`SampleError` of its first bad sample, which
             ends the list (the consumer raises it when it reaches that batch).
         """
-        refs: list[SampleRef] = []
-        blobs: list[Encoded] = []
-        owner: list[int] = []  # batch number of each read sample
-        failures: dict[int, list[SampleError]] = {}
+        group = self._read(batches)
+        check_cancelled()
+        plans = None if self._transform is None else _Plans(self._transform, self._seed, epoch, group.refs)
+        with reader.active() as stream:
+            decoded = self._decode(group, stream, plans)
+            check_cancelled()
+            return self._split(group, decoded, plans, reader)
+
+    def _read(self, batches: Sequence[Sequence[int]]) -> _Group:
+        """Fetches and reads every sample of a group; a sample that fails keeps its place as its error."""
+        group = _Group()
         fetching = reading = 0.0  # summed here and recorded once: a timer per sample costs more than a read
-        for number, indices in enumerate(batches):
+        for indices in batches:
+            samples: list[int | SampleError] = []
             for index in indices:
                 check_cancelled()  # a slow source makes a long batch: stop between samples
                 started = time.perf_counter()
@@ -114,76 +122,74 @@ class BatchProducer:
                     blob = read_bytes(ref)
                     reading += time.perf_counter() - fetched
                 except SampleError as error:
-                    failures.setdefault(number, []).append(error)
+                    samples.append(error)
                     continue
-                refs.append(ref)
-                blobs.append(blob)
-                owner.append(number)
+                samples.append(len(group.refs))
+                group.refs.append(ref)
+                group.blobs.append(blob)
+            group.batches.append(samples)
         self._stats.add_time("fetch", fetching)
         self._stats.add_time("read", reading)
+        return group
 
-        check_cancelled()
+    def _decode(
+        self, group: _Group, stream: torch.cuda.Stream | None, plans: _Plans | None
+    ) -> DecodedBatch | None:
+        """Decodes the samples read, in one decoder call; ``None`` when none could be read."""
+        if not group.blobs:
+            return None
+        return self._decoder.decode(
+            group.blobs,
+            stream=stream,
+            stats=self._stats,
+            region_of=plans.region_of if plans is not None and plans.random else None,
+        )
+
+    def _split(
+        self, group: _Group, decoded: DecodedBatch | None, plans: _Plans | None, reader: ReaderStream
+    ) -> list[Outcome]:
+        """Splits a decoded group into its batches: transformed, formatted and sealed, or their errors."""
+        errors = group.errors(decoded)
+        # Formatted at once only for regions: the crop's resampling works in chunks of bounded memory,
+        # where a group of same-size images would be converted to float whole.
+        formatted = (
+            self._format(decoded, 0, len(group.refs), plans)
+            if decoded is not None
+            and not any(errors)
+            and len(group.batches) > 1
+            and _only_regions(decoded)
+            else None
+        )
         outcomes: list[Outcome] = []
-        plans = _Plans(self._transform, self._seed, epoch, refs) if self._transform is not None else None
-        with reader.active() as stream:
-            decoded = (
-                self._decoder.decode(
-                    blobs,
-                    stream=stream,
-                    stats=self._stats,
-                    region_of=plans.region_of if plans is not None and plans.random else None,
-                )
-                if blobs
-                else None
-            )
+        first = 0
+        for samples, failed in zip(group.batches, errors, strict=True):
             check_cancelled()
-            if decoded is not None:
-                for position, reason in sorted(decoded.errors.items()):
-                    ref = refs[position]
-                    error = SampleError(index=ref.index, origin=ref.origin, stage="decode", reason=reason)
-                    failures.setdefault(owner[position], []).append(error)
-            # Formatted at once only for regions: the crop's resampling works in chunks of bounded memory,
-            # where a group of same-size images would be converted to float whole.
-            formatted = (
-                self._format(decoded, 0, len(refs), plans)
-                if decoded is not None and not failures and len(batches) > 1 and _only_regions(decoded)
-                else None
-            )
-            first = 0
-            for number in range(len(batches)):
-                check_cancelled()
-                last = first
-                while last < len(owner) and owner[last] == number:
-                    last += 1
-                errors = failures.get(number, [])
-                if len(errors) > 1:  # fetch errors were found before decode errors: put them in batch order
-                    order = {index: position for position, index in enumerate(batches[number])}
-                    errors.sort(key=lambda error: order[error.index])
-                self._stats.count("errors", len(errors))
-                if errors and self._on_error == "raise":
-                    outcomes.append(errors[0])
-                    break
-                for error in errors:
-                    self._stats.count("skipped")
-                    self._on_skip(error)
-                kept = [] if decoded is None else _kept(decoded, first, last)
-                if decoded is None or not kept:
-                    outcomes.append(None)
-                else:
-                    images = (
-                        self._format(decoded, first, last, plans)
-                        if formatted is None
-                        else _own_rows(formatted, first, last)
+            last = first + sum(not isinstance(sample, SampleError) for sample in samples)
+            self._stats.count("errors", len(failed))
+            if failed and self._on_error == "raise":
+                outcomes.append(failed[0])
+                break
+            for error in failed:
+                self._stats.count("skipped")
+                self._on_skip(error)
+            kept = [] if decoded is None else _kept(decoded, first, last)
+            if decoded is None or not kept:
+                outcomes.append(None)
+            else:
+                images = (
+                    self._format(decoded, first, last, plans)
+                    if formatted is None
+                    else _own_rows(formatted, first, last)
+                )
+                outcomes.append(
+                    Batch(
+                        images=images,
+                        targets=collate_targets([group.refs[p].target for p in kept]),
+                        indices=[group.refs[p].index for p in kept],
+                        ready=reader.seal(images if isinstance(images, list) else [images]),
                     )
-                    outcomes.append(
-                        Batch(
-                            images=images,
-                            targets=collate_targets([refs[p].target for p in kept]),
-                            indices=[refs[p].index for p in kept],
-                            ready=reader.seal(images if isinstance(images, list) else [images]),
-                        )
-                    )
-                first = last
+                )
+            first = last
         return outcomes
 
     def _format(self, decoded: DecodedBatch, first: int, last: int, plans: _Plans | None) -> Images:
@@ -203,6 +209,35 @@ class BatchProducer:
                 images = self._transform.apply_many(images, [plans.params(p, decoded) for p in kept])
                 check_cancelled()
             return self._output.apply(images)
+
+
+@dataclass
+class _Group:
+    """A group's samples as read: the decoder's input, and each batch's samples in their order."""
+
+    refs: list[SampleRef] = field(default_factory=list)  # the samples read, by decoder position
+    blobs: list[Encoded] = field(default_factory=list)
+    #: Per batch, each sample's decoder position, or the error that kept it from being read.
+    batches: list[list[int | SampleError]] = field(default_factory=list)
+
+    def errors(self, decoded: DecodedBatch | None) -> list[list[SampleError]]:
+        """Each batch's errors in its samples' order, those of reading and those of decoding."""
+        failed = {} if decoded is None else decoded.errors
+        return [
+            [
+                sample
+                if isinstance(sample, SampleError)
+                else SampleError(
+                    index=self.refs[sample].index,
+                    origin=self.refs[sample].origin,
+                    stage="decode",
+                    reason=failed[sample],
+                )
+                for sample in samples
+                if isinstance(sample, SampleError) or sample in failed
+            ]
+            for samples in self.batches
+        ]
 
 
 class _Plans:

@@ -17,16 +17,17 @@ from typing import Any
 
 import torch
 
-from ._device import default_decode_batch_size, set_up_decoding
+from ._device import default_decode_batch_size
 from ._handoff import ReaderStream
+from ._options import set_up
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._sampling import BatchPlan, group_batches, resolve_shard
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
-from .decode.base import DEFAULT_MAX_PIXELS
+from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .errors import LoaderClosedError, SampleError
-from .transforms import OutputFormat, Transform, as_transform, stacking_size
+from .transforms import Transform, as_transform
 
 __all__ = ["ThreadLoader"]
 
@@ -35,6 +36,17 @@ logger = logging.getLogger("threadloader")
 
 #: The ``format`` of :meth:`ThreadLoader.state_dict`: bumped when its meaning changes.
 STATE_FORMAT = "threadloader.ThreadLoader/1"
+
+
+class _DefaultBatchSize(int):
+    """The default ``batch_size``, told apart from an explicit one by identity.
+
+    Next to a ``batch_sampler``, which decides batch sizes, the default means "unset" and any explicit
+    ``batch_size`` is refused, as ``DataLoader`` does; as an int it shows as 32 in the signature.
+    """
+
+
+_DEFAULT_BATCH_SIZE = _DefaultBatchSize(32)
 
 
 class ThreadLoader:
@@ -49,7 +61,7 @@ class ThreadLoader:
         source: A sequence of paths or encoded bytes; a sequence of ``(path | bytes, target)``; a
             map-style dataset whose ``__getitem__`` returns either; or a directory with one sub-folder
             per class (:class:`ImageFolder` order).
-        batch_size: Samples per batch.
+        batch_size: Samples per batch (default 32); leave it unset with ``batch_sampler``.
         shuffle: Reshuffle every epoch; the order is a function of ``(seed, epoch)`` only.
         seed: Seed of the shuffle; ``None`` draws one from torch's global generator at construction, so
             ``torch.manual_seed`` makes it reproducible. The permutation is ``DistributedSampler``'s
@@ -95,6 +107,13 @@ class ThreadLoader:
             resize to (H, W)) and ``size=None``, batches are stacked at that size.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
             error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
+        region_decode: On a GPU, decode only the region a leading random crop keeps (checked once
+            per device; whole images where it fails). ``None``: on, unless the environment variable
+            ``THREADLOADER_REGION_DECODE`` is ``0`` when the loader is built.
+        decoder: An :class:`~threadloader.decode.ImageDecoder` to decode with instead of the one
+            ``device`` and ``backend`` choose; ``device`` is then its device, and ``backend``,
+            ``decode_threads``, ``max_pixels`` and ``region_decode`` (which configure the built-in
+            decoders) must be left unset.
 
     Attributes:
         rank: The shard this process loads (see ``rank``).
@@ -111,7 +130,7 @@ class ThreadLoader:
         self,
         source: Any,
         *,
-        batch_size: int | None = 32,
+        batch_size: int | None = _DEFAULT_BATCH_SIZE,
         shuffle: bool = False,
         seed: int | None = None,
         sampler: Iterable[int] | None = None,
@@ -133,6 +152,8 @@ class ThreadLoader:
         decode_batch_size: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         transform: Transform | Sequence[Transform] | None = None,
+        region_decode: bool | None = None,
+        decoder: ImageDecoder | None = None,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -162,8 +183,7 @@ class ThreadLoader:
         self._transform = as_transform(transform)
         self._plan = BatchPlan(
             num_samples=len(self._source),
-            # The default batch_size means "unset" next to a batch_sampler, which decides batch sizes.
-            batch_size=None if batch_sampler is not None and batch_size == 32 else batch_size,
+            batch_size=_plan_batch_size(batch_size, batch_sampler),
             shuffle=shuffle,
             seed=seed,
             sampler=sampler,
@@ -172,20 +192,22 @@ class ThreadLoader:
             rank=self.rank,
             world_size=self.world_size,
         )
-        self._output = OutputFormat(
-            size=stacking_size(size, self._transform),
+        setup = set_up(
+            self._transform,
+            size=size,
             dtype=dtype,
             mean=mean,
             std=std,
             channels_last=channels_last,
-        )
-        self.device, self.num_threads, decoder = set_up_decoding(
             device=device,
             num_threads=num_threads,
             backend=backend,
             decode_threads=decode_threads,
             max_pixels=max_pixels,
+            region_decode=region_decode,
+            decoder=decoder,
         )
+        self.device, self.num_threads, self._output = setup.device, setup.num_threads, setup.output
         self.prefetch = prefetch
         self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
         self._stats = StatsRecorder()
@@ -193,7 +215,7 @@ class ThreadLoader:
         self._new_producer = functools.partial(
             BatchProducer,
             source=self._source,
-            decoder=decoder,
+            decoder=setup.decoder,
             output=self._output,
             on_error=on_error,
             stats=self._stats,
@@ -450,6 +472,13 @@ class _Progress:
     def finish(self) -> None:
         """Called when the iterator stops: the epoch ended if every planned batch was consumed."""
         self.finished = self.total is not None and self.consumed >= self.total
+
+
+def _plan_batch_size(batch_size: int | None, batch_sampler: object) -> int | None:
+    """The batch size for the plan: the default is unset next to a batch_sampler, and a plain int."""
+    if batch_size is not _DEFAULT_BATCH_SIZE:
+        return batch_size
+    return None if batch_sampler is not None else int(batch_size)
 
 
 def _count_in(state: dict[str, Any], key: str) -> int:

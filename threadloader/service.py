@@ -20,20 +20,20 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Full
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from ._cancel import Cancelled
-from ._device import set_up_decoding
-from ._handoff import ReaderStream
+from ._handoff import ReaderStream, Ready
+from ._options import set_up
 from ._pipeline import Batch, BatchProducer
 from ._stats import STAGES, StatsRecorder
 from ._workers import JOIN_TIMEOUT, POLL, ThreadGroup
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
-from .transforms import OutputFormat, Transform, as_transform, stacking_size
+from .transforms import OutputFormat, Transform, as_transform
 
 __all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
 
@@ -194,7 +194,7 @@ class _RequestQueue:
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
             request.future.cancel()
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, Any]:
         """Requests queued now, and the queue's counters, read together."""
         with self._lock:
             return {
@@ -227,10 +227,10 @@ class _Metrics:
             else:
                 self.failed += 1
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             latencies = list(self._latencies)
-            values: dict[str, object] = {
+            values: dict[str, Any] = {
                 "completed": self.completed,
                 "failed": self.failed,
                 "batches": self.batches,
@@ -291,10 +291,8 @@ class _Engine:
             if image is None:
                 self._answer(request, error=_request_error(request, rejected.get(position)))
                 continue
-            if event is not None and request.stream is not None:
-                # As Ready.receive, but on the stream that was current in the submitting thread.
-                request.stream.wait_event(event)
-                image.record_stream(request.stream)
+            if request.stream is not None:  # safe on the stream that was current in the submitting thread
+                Ready([image], event).receive(stream=request.stream)
             self._answer(request, image=image)
 
     def _answer(
@@ -359,6 +357,10 @@ class BatchDecoder:
             request, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
         transform: Deterministic transforms applied to every image after decoding, as for
             :class:`ThreadLoader` (e.g. ``[Resize(256), CenterCrop(224)]``); random ones are for training.
+        region_decode: As for :class:`ThreadLoader` (it matters only for random crops, which a service
+            refuses); ``None`` reads ``THREADLOADER_REGION_DECODE`` when the service is built.
+        decoder: An :class:`~threadloader.decode.ImageDecoder` to decode with, as for
+            :class:`ThreadLoader`.
 
     Example:
         >>> with BatchDecoder(size=(224, 224), dtype=torch.float32) as decoder:  # doctest: +SKIP
@@ -383,6 +385,8 @@ class BatchDecoder:
         decode_threads: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         transform: Transform | Sequence[Transform] | None = None,
+        region_decode: bool | None = None,
+        decoder: ImageDecoder | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -398,30 +402,32 @@ class BatchDecoder:
                 f"{chain!r} is random: a service answers each image the same way every time; "
                 "use deterministic transforms (Resize, CenterCrop, Normalize, ToDtype)"
             )
-        output = OutputFormat(
-            size=stacking_size(size, chain),
+        setup = set_up(
+            chain,
+            size=size,
             dtype=dtype,
             mean=mean,
             std=std,
             channels_last=channels_last,
-        )
-        self.device, self.num_threads, decoder = set_up_decoding(
             device=device,
             num_threads=num_threads,
             backend=backend,
             decode_threads=decode_threads,
             max_pixels=max_pixels,
+            region_decode=region_decode,
+            decoder=decoder,
         )
+        self.device, self.num_threads = setup.device, setup.num_threads
         self.max_batch = max_batch
         self.max_delay_ms = float(max_delay_ms)
         self.max_queue = max_queue
         self.when_full: WhenFull = when_full
-        self._output = output
+        self._output = setup.output
         self._pipeline_stats = StatsRecorder()
         self._metrics = _Metrics()
         engine = _Engine(
-            decoder=decoder,
-            output=output,
+            decoder=setup.decoder,
+            output=setup.output,
             transform=chain,
             pipeline_stats=self._pipeline_stats,
             metrics=self._metrics,
@@ -513,7 +519,7 @@ class BatchDecoder:
             **self._queue.counts(),
             cpu_fallbacks=pipeline.cpu_fallbacks,
             stage_seconds=pipeline.stage_seconds,
-            **self._metrics.snapshot(),  # type: ignore[arg-type]
+            **self._metrics.snapshot(),
         )
 
     def close(self, *, cancel_pending: bool = False) -> None:

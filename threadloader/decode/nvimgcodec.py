@@ -9,14 +9,18 @@ GIL, so the other threads keep working while one decodes.
 Outputs are decoded straight into torch-allocated memory on the calling thread's stream: the batch
 tensor is allocated first, each slice is wrapped with ``nvimgcodec.as_image`` on that same stream (a
 different stream would make nvImageCodec synchronize the host), and passed as ``images=``.
+
+The process-wide state (Decoders, device locks, allocation streams, region verdicts) is one
+:class:`DecoderRegistry`. A batch goes through phases that each return what the next one takes:
+parse and classify, allocate, decode under the lock, retry failed regions whole, fall back to Pillow.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from types import ModuleType
 from typing import Any
@@ -29,7 +33,16 @@ from ._jpeg import exif_orientation, has_end_marker, normalize_gray_sampling
 from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 from .pillow import decode_rgb
 
-__all__ = ["BACKENDS", "NvImageCodecDecoder", "import_nvimgcodec"]
+__all__ = [
+    "BACKENDS",
+    "REGION_BACKEND",
+    "REGION_DECODE_ENV",
+    "SHARED",
+    "DecoderRegistry",
+    "NvImageCodecDecoder",
+    "import_nvimgcodec",
+    "new_nvimgcodec_decoder",
+]
 
 #: Accepted ``backend=`` values and the nvImageCodec backend kinds they allow.
 BACKENDS = {
@@ -40,24 +53,22 @@ BACKENDS = {
     "cpu": ("CPU_ONLY",),
 }
 
-#: The backend that decodes regions under ``backend="auto"``. On an H200 with nvImageCodec 0.9.0 it was
-#: the only one faster on regions than on whole images: hybrid 7.6k img/s whole and 10.7k on
-#: RandomResizedCrop regions (the hardware engine: 7.0k and 6.6k; auto picks it: 6.3k and 6.5k).
-_REGION_BACKEND = "hybrid"
+#: The backend that decodes regions under ``backend="auto"``: with nvImageCodec 0.9.0 the only one
+#: faster on regions than on whole images (docs/benchmarks.md has the measurements).
+REGION_BACKEND = "hybrid"
 
 #: Fewest regions in a decoder call for its failures to turn region decoding off (see _regions_failed).
 _REGIONS_TO_JUDGE = 8
 
 #: Set to 0 to decode whole images and crop afterwards, should region decoding misbehave on a GPU
-#: (nvImageCodec issue #55 reports failures and crashes of region decoding on some GPUs with 0.9.0).
+#: (nvImageCodec issue #55 reports failures and crashes of region decoding on some GPUs with 0.9.0);
+#: read by the front ends when they are built, as the default of their ``region_decode=``.
 REGION_DECODE_ENV = "THREADLOADER_REGION_DECODE"
 
 logger = logging.getLogger("threadloader")
-_registry_lock = threading.Lock()
-_device_locks: dict[int, threading.Lock] = {}
-_decoders: dict[tuple[int, str, int], Any] = {}
-_regions_checked: dict[tuple[int, str, int], bool] = {}
-_allocation_streams: dict[int, torch.cuda.Stream] = {}
+
+#: ``(device index, backend, CPU threads)``: what a Decoder is made for, and what region verdicts are about.
+DecoderKey = tuple[int, str, int]
 
 
 def import_nvimgcodec() -> ModuleType:
@@ -72,26 +83,107 @@ def import_nvimgcodec() -> ModuleType:
     return nvimgcodec
 
 
-def _shared_decoder(device_index: int, backend: str, cpu_threads: int) -> tuple[Any, threading.Lock]:
-    """Returns the process-wide Decoder for this configuration and its device's lock.
+def new_nvimgcodec_decoder(device_index: int, backend: str, cpu_threads: int) -> Any:
+    """A new nvImageCodec Decoder on the device, limited to ``backend``'s kinds (see :data:`BACKENDS`)."""
+    nvimgcodec = import_nvimgcodec()
+    kinds = BACKENDS[backend]
+    backends = None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, k)) for k in kinds]
+    with torch.cuda.device(device_index):
+        return nvimgcodec.Decoder(device_id=device_index, max_num_cpu_threads=cpu_threads, backends=backends)
+
+
+class DecoderRegistry:
+    """Process-wide nvImageCodec state: Decoders, device locks, allocation streams, region verdicts.
 
     One lock per device, shared by every Decoder on it: no two calls into nvImageCodec on one device
-    run at once, whichever loader or service makes them.
+    run at once, whichever loader or service makes them. So the library uses one registry,
+    :data:`SHARED`; another (with its own locks) is for tests, which pass it to
+    :class:`NvImageCodecDecoder` to decode with Decoders of their own making.
+
+    Args:
+        new_decoder: Makes the Decoder for ``(device index, backend, CPU threads)``, once per key.
     """
-    nvimgcodec = import_nvimgcodec()
-    key = (device_index, backend, cpu_threads)
-    with _registry_lock:
-        lock = _device_locks.setdefault(device_index, threading.Lock())
-        decoder = _decoders.get(key)
-        if decoder is None:
-            kinds = BACKENDS[backend]
-            backends = None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, k)) for k in kinds]
-            with torch.cuda.device(device_index):
-                decoder = nvimgcodec.Decoder(
-                    device_id=device_index, max_num_cpu_threads=cpu_threads, backends=backends
-                )
-            _decoders[key] = decoder
-    return decoder, lock
+
+    def __init__(self, new_decoder: Callable[[int, str, int], Any] = new_nvimgcodec_decoder) -> None:
+        self._new_decoder = new_decoder
+        self._lock = threading.Lock()
+        self._device_locks: dict[int, threading.Lock] = {}
+        self._decoders: dict[DecoderKey, Any] = {}
+        self._region_verdicts: dict[DecoderKey, bool] = {}
+        self._allocation_streams: dict[int, torch.cuda.Stream] = {}
+
+    def decoder(self, key: DecoderKey) -> tuple[Any, threading.Lock]:
+        """The Decoder for ``key``, made on first use, and its device's lock."""
+        with self._lock:
+            lock = self._device_locks.setdefault(key[0], threading.Lock())
+            decoder = self._decoders.get(key)
+            if decoder is None:
+                decoder = self._decoders[key] = self._new_decoder(*key)
+        return decoder, lock
+
+    def regions_work(self, key: DecoderKey, check: Callable[[], bool]) -> bool:
+        """Whether region decoding works for ``key``: the verdict, or ``check()``'s on first asking.
+
+        ``check`` runs outside the registry's lock (it decodes); two threads may both run it, and the
+        first verdict stored stands.
+        """
+        with self._lock:
+            works = self._region_verdicts.get(key)
+        if works is None:
+            checked = check()
+            with self._lock:
+                works = self._region_verdicts.setdefault(key, checked)
+        return works
+
+    def stop_regions(self, key: DecoderKey) -> bool:
+        """Turns region decoding off for ``key``; whether this call did (it was not off already)."""
+        with self._lock:
+            if self._region_verdicts.get(key) is False:
+                return False
+            self._region_verdicts[key] = False
+        return True
+
+    def allocation_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The device's stream that decode outputs are allocated on (see ``_output_memory``)."""
+        with self._lock:
+            stream = self._allocation_streams.get(device.index)
+            if stream is None:
+                stream = self._allocation_streams[device.index] = torch.cuda.Stream(device)
+        return stream
+
+
+#: The registry every decoder of the library shares.
+SHARED = DecoderRegistry()
+
+
+@dataclass
+class _Parsed:
+    """The header pass over a batch: what each position is decoded as, or why not on the GPU."""
+
+    code_streams: dict[int, Any] = field(default_factory=dict)  # to decode on the GPU, in position order
+    shapes: dict[int, tuple[int, int]] = field(default_factory=dict)  # of each output (a region's own)
+    regions: set[int] = field(default_factory=set)  # positions decoded as their region
+    wholes: dict[int, tuple[Any, tuple[int, int]]] = field(default_factory=dict)  # regions' whole images
+    errors: dict[int, str] = field(default_factory=dict)  # over the pixel limit: nobody decodes them
+    to_cpu: dict[int, str] = field(default_factory=dict)  # for Pillow, with the reason
+    rewritten: list[Encoded] = field(default_factory=list)  # keeps rewritten bitstreams alive until decoded
+
+
+@dataclass
+class _Outputs:
+    """Decode memory for a batch: a slot per position, and the batch tensor the slots are rows of."""
+
+    slots: dict[int, torch.Tensor]
+    stacked: torch.Tensor | None = None
+    padded: torch.Tensor | None = None
+
+
+@dataclass
+class _Decoded:
+    """Decoder calls' results: pixels (``None`` where given up on) and, for those, why."""
+
+    images: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
 
 
 class NvImageCodecDecoder(ImageDecoder):
@@ -99,6 +191,16 @@ class NvImageCodecDecoder(ImageDecoder):
 
     Samples nvImageCodec cannot parse or returns ``None`` for are decoded with Pillow and uploaded, so
     they count as errors only when Pillow fails too.
+
+    Args:
+        device: An indexed CUDA device.
+        backend: One of :data:`BACKENDS`.
+        cpu_threads: nvImageCodec's own CPU threads.
+        max_pixels: Images whose header declares more pixels are errors, decoded by nobody.
+        region_decode: Decode the region a random crop asks for instead of the whole image (where the
+            device passes the region check).
+        registry: Where Decoders, locks and region verdicts come from: the process's, unless a test
+            brings its own.
     """
 
     def __init__(
@@ -108,6 +210,8 @@ class NvImageCodecDecoder(ImageDecoder):
         backend: str = "auto",
         cpu_threads: int,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        region_decode: bool = True,
+        registry: DecoderRegistry = SHARED,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
@@ -116,8 +220,10 @@ class NvImageCodecDecoder(ImageDecoder):
         self._nvimgcodec = import_nvimgcodec()
         self.device = device
         self._max_pixels = max_pixels
-        self._decoder, self._lock = _shared_decoder(device.index, backend, cpu_threads)
-        self._region_key = (device.index, _REGION_BACKEND if backend == "auto" else backend, cpu_threads)
+        self._region_decode = region_decode
+        self._registry = registry
+        self._decoder, self._lock = registry.decoder((device.index, backend, cpu_threads))
+        self._region_key = (device.index, REGION_BACKEND if backend == "auto" else backend, cpu_threads)
         nv = self._nvimgcodec
         self._params = nv.DecodeParams(
             apply_exif_orientation=True, color_spec=nv.SRGB, sample_format=nv.I_RGB
@@ -147,16 +253,10 @@ class NvImageCodecDecoder(ImageDecoder):
 
     def _region_decoder(self) -> Any:
         """The Decoder for regions, or ``None`` where region decoding is off or failed its check."""
-        if os.environ.get(REGION_DECODE_ENV, "1") == "0":
+        if not self._region_decode:
             return None
-        device, backend, cpu_threads = self._region_key
-        decoder, _ = _shared_decoder(device, backend, cpu_threads)
-        with _registry_lock:
-            works = _regions_checked.get(self._region_key)
-        if works is None:  # outside the registry lock: the check decodes; two threads may both run it
-            checked = self._check_regions(decoder)
-            with _registry_lock:
-                works = _regions_checked.setdefault(self._region_key, checked)
+        decoder, _ = self._registry.decoder(self._region_key)
+        works = self._registry.regions_work(self._region_key, lambda: self._check_regions(decoder))
         return decoder if works else None
 
     def _check_regions(self, decoder: Any) -> bool:
@@ -202,94 +302,58 @@ class NvImageCodecDecoder(ImageDecoder):
         region_of: RegionOf | None,
         region_decoder: Any,
     ) -> DecodedBatch:
+        """The phases: parse and classify, allocate, decode under the lock, retry regions, fall back."""
         nv = self._nvimgcodec
-        batch = DecodedBatch(images=[None] * len(encoded))
-        reasons: dict[int, str] = {}
         with stats.timed("parse"):
-            code_streams: dict[int, Any] = {}
-            shapes: dict[int, tuple[int, int]] = {}
-            wholes: dict[int, tuple[Any, tuple[int, int]]] = {}  # regions' whole images, for a retry
-            rewritten: list[Encoded] = []  # keeps rewritten bitstreams alive until decoded
-            for position, data in enumerate(encoded):
-                try:
-                    code_stream = _code_stream(nv, data)
-                except Exception as exc:  # unparsable here: Pillow gets a try
-                    reasons[position] = f"nvImageCodec cannot parse it ({exc})"
-                    continue
-                # Each property read crosses into nvImageCodec: read once (the loop runs per image).
-                height, width, codec = code_stream.height, code_stream.width, code_stream.codec_name
-                limit = pixel_limit_error(width, height, self._max_pixels)
-                if limit is not None:
-                    batch.errors[position] = limit
-                    continue
-                cpu_reason = _cpu_reason(nv, code_stream, codec, data)
-                if cpu_reason is not None:
-                    reasons[position] = cpu_reason
-                    continue
-                if codec == "jpeg" and code_stream.num_channels == 1:
-                    fixed = normalize_gray_sampling(data)
-                    if fixed is not data:
-                        rewritten.append(fixed)
-                        code_stream = _code_stream(nv, fixed)
-                region = None
-                if region_of is not None and codec == "jpeg":
-                    region = _region((height, width), data, position, region_of)
-                if region is None:
-                    shapes[position] = (height, width)
-                else:
-                    wholes[position] = (code_stream, (height, width))
-                    top, left, height, width = region
-                    code_stream = code_stream.get_sub_code_stream(
-                        region=nv.Region(top, left, top + height, left + width)
-                    )
-                    shapes[position] = (height, width)
-                    batch.regions.add(position)
-                code_streams[position] = code_stream
-            slots = self._allocate(batch, shapes, len(encoded))
-            positions = list(code_streams)
+            parsed = self._parse(encoded, region_of)
+            outputs = self._allocate(parsed.shapes, parsed.regions, len(encoded))
+            positions = list(parsed.code_streams)
             handle = stream.cuda_stream
-            # torch's own __cuda_array_interface__ costs ~20 us a tensor; a plain description costs ~1.
-            outputs = nv.as_images([_DeviceBuffer(slots[p]) for p in positions], cuda_stream=handle)
+            # torch's own __cuda_array_interface__ costs far more per tensor than a plain description.
+            wrapped = nv.as_images([_DeviceBuffer(outputs.slots[p]) for p in positions], cuda_stream=handle)
 
         calls = [
-            (decoder, [p for p in positions if (p in batch.regions) == is_region])
+            (decoder, [p for p in positions if (p in parsed.regions) == is_region])
             for decoder, is_region in ((self._decoder, False), (region_decoder, True))
         ]
-        outputs_of = dict(zip(positions, outputs, strict=True))
-        self._decode_locked(
-            [(decoder, chosen, [outputs_of[p] for p in chosen]) for decoder, chosen in calls if chosen],
-            code_streams,
-            slots,
+        wrapped_of = dict(zip(positions, wrapped, strict=True))
+        decoded = self._decode_locked(
+            [(decoder, chosen, [wrapped_of[p] for p in chosen]) for decoder, chosen in calls if chosen],
+            parsed.code_streams,
+            outputs.slots,
             handle,
-            batch,
-            reasons,
             stats,
         )
-        failed = [p for p in sorted(batch.regions) if batch.images[p] is None]
+        images = dict(decoded.images)
+        reasons = {**parsed.to_cpu, **decoded.reasons}
+        slots = outputs.slots
+        regions = set(parsed.regions)
+        failed = [p for p in sorted(regions) if images[p] is None]
         if failed:  # regions the GPU gave up on: decode those images whole on the GPU, crop after
-            regions = len(batch.regions)
-            batch.regions.difference_update(failed)
-            whole_slots = self._flat_slots({p: wholes[p][1] for p in failed})
-            slots.update(whole_slots)  # for Pillow, should the GPU fail again
-            for p in failed:
-                reasons.pop(p, None)
-            retry = nv.as_images([_DeviceBuffer(whole_slots[p]) for p in failed], cuda_stream=handle)
-            self._decode_locked(
-                [(self._decoder, failed, retry)],
-                {p: wholes[p][0] for p in failed},
-                whole_slots,
-                handle,
-                batch,
-                reasons,
-                stats,
-            )
+            whole_slots, retried = self._retry_regions(failed, parsed.wholes, handle, stats)
+            slots = {**slots, **whole_slots}  # for Pillow, should the GPU fail again
+            reasons = {p: reason for p, reason in reasons.items() if p not in failed}
+            reasons.update(retried.reasons)
+            images.update(retried.images)
             # Only failures whose whole image decoded count against region decoding: not bad files.
-            self._regions_failed(sum(batch.images[p] is not None for p in failed), regions)
+            self._regions_failed(sum(images[p] is not None for p in failed), len(regions))
+            regions.difference_update(failed)
+        errors = dict(parsed.errors)
         if reasons:
             with stats.timed("fallback"):
-                self._decode_on_cpu(encoded, reasons, batch, slots, stats)
-        if batch.regions:
-            stats.count("region_decodes", len(batch.regions))
+                on_cpu, cpu_errors = self._decode_on_cpu(encoded, reasons, slots, stats)
+            images.update(on_cpu)
+            errors.update(cpu_errors)
+            regions.difference_update(reasons)  # Pillow decodes the whole image: the caller crops it
+        if regions:
+            stats.count("region_decodes", len(regions))
+        batch = DecodedBatch(
+            images=[images.get(p) for p in range(len(encoded))],
+            errors=errors,
+            stacked=outputs.stacked,
+            regions=regions,
+            padded=outputs.padded,
+        )
         if batch.stacked is not None and not all(
             image is not None and image.data_ptr() == row.data_ptr() and image.shape == row.shape
             for image, row in zip(batch.images, batch.stacked, strict=True)
@@ -297,22 +361,62 @@ class NvImageCodecDecoder(ImageDecoder):
             batch.stacked = None
         return batch
 
+    def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None) -> _Parsed:
+        """Reads each header: over the pixel limit, for Pillow, or the code stream (or region) to decode."""
+        nv = self._nvimgcodec
+        parsed = _Parsed()
+        for position, data in enumerate(encoded):
+            try:
+                code_stream = _code_stream(nv, data)
+            except Exception as exc:  # unparsable here: Pillow gets a try
+                parsed.to_cpu[position] = f"nvImageCodec cannot parse it ({exc})"
+                continue
+            # Each property read crosses into nvImageCodec: read once (the loop runs per image).
+            height, width, codec = code_stream.height, code_stream.width, code_stream.codec_name
+            limit = pixel_limit_error(width, height, self._max_pixels)
+            if limit is not None:
+                parsed.errors[position] = limit
+                continue
+            cpu_reason = _cpu_reason(nv, code_stream, codec, data)
+            if cpu_reason is not None:
+                parsed.to_cpu[position] = cpu_reason
+                continue
+            if codec == "jpeg" and code_stream.num_channels == 1:
+                fixed = normalize_gray_sampling(data)
+                if fixed is not data:
+                    parsed.rewritten.append(fixed)
+                    code_stream = _code_stream(nv, fixed)
+            region = None
+            if region_of is not None and codec == "jpeg":
+                region = _region((height, width), data, position, region_of)
+            if region is None:
+                parsed.shapes[position] = (height, width)
+            else:
+                parsed.wholes[position] = (code_stream, (height, width))
+                top, left, height, width = region
+                code_stream = code_stream.get_sub_code_stream(
+                    region=nv.Region(top, left, top + height, left + width)
+                )
+                parsed.shapes[position] = (height, width)
+                parsed.regions.add(position)
+            parsed.code_streams[position] = code_stream
+        return parsed
+
     def _decode_locked(
         self,
         calls: list[tuple[Any, list[int], list[Any]]],
         code_streams: dict[int, Any],
         slots: dict[int, torch.Tensor],
         handle: int,
-        batch: DecodedBatch,
-        reasons: dict[int, str],
         stats: StatsRecorder,
-    ) -> None:
+    ) -> _Decoded:
         """Calls Decoders (each with its positions and outputs) with the device's lock held.
 
-        A sample a Decoder gives up on gets a reason, for Pillow.
+        A sample a Decoder gives up on gets ``None`` and a reason, for Pillow.
         """
+        decoded = _Decoded()
         if not calls:
-            return
+            return decoded
         with stats.timed("decode_lock"):
             self._lock.acquire()
         try:
@@ -327,14 +431,35 @@ class NvImageCodecDecoder(ImageDecoder):
                         )
                 except Exception as exc:  # the whole call failed: each sample to Pillow
                     results = [None] * len(positions)
-                    reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
+                    decoded.reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
                 for position, result in zip(positions, results, strict=True):
                     pixels = _pixels_in(result, slots[position])
                     if pixels is None:
-                        reasons.setdefault(position, "nvImageCodec returned no image")
-                    batch.images[position] = pixels
+                        decoded.reasons.setdefault(position, "nvImageCodec returned no image")
+                    decoded.images[position] = pixels
         finally:
             self._lock.release()
+        return decoded
+
+    def _retry_regions(
+        self,
+        failed: list[int],
+        wholes: dict[int, tuple[Any, tuple[int, int]]],
+        handle: int,
+        stats: StatsRecorder,
+    ) -> tuple[dict[int, torch.Tensor], _Decoded]:
+        """Decodes the whole images of the regions the GPU gave up on; their slots and the results."""
+        whole_slots = self._flat_slots({p: wholes[p][1] for p in failed})
+        nv = self._nvimgcodec
+        retry = nv.as_images([_DeviceBuffer(whole_slots[p]) for p in failed], cuda_stream=handle)
+        decoded = self._decode_locked(
+            [(self._decoder, failed, retry)],
+            {p: wholes[p][0] for p in failed},
+            whole_slots,
+            handle,
+            stats,
+        )
+        return whole_slots, decoded
 
     def _regions_failed(self, failed: int, total: int) -> None:
         """Stops region decoding on this device once most regions of a call fail (issue #55's kind).
@@ -345,22 +470,18 @@ class NvImageCodecDecoder(ImageDecoder):
         """
         if total < _REGIONS_TO_JUDGE or failed * 2 <= total:
             return
-        with _registry_lock:
-            if _regions_checked.get(self._region_key) is False:
-                return
-            _regions_checked[self._region_key] = False
+        if not self._registry.stop_regions(self._region_key):
+            return
         logger.warning(
             "region decoding failed for %d of %d images on %s; decoding whole images and cropping "
-            "from now on (set %s=0 to skip region decoding altogether)",
+            "from now on (pass region_decode=False, or set %s=0, to skip region decoding altogether)",
             failed,
             total,
             self.device,
             REGION_DECODE_ENV,
         )
 
-    def _allocate(
-        self, batch: DecodedBatch, shapes: dict[int, tuple[int, int]], count: int
-    ) -> dict[int, torch.Tensor]:
+    def _allocate(self, shapes: dict[int, tuple[int, int]], regions: set[int], count: int) -> _Outputs:
         """Allocates outputs with one allocation per batch.
 
         Rows of a ``(B, H, W, 3)`` tensor when all shapes agree: every row is returned, so a CPU
@@ -369,22 +490,23 @@ class NvImageCodecDecoder(ImageDecoder):
         copying each image. Other images of different sizes: views into one flat buffer.
         """
         if not shapes:
-            return {}
+            return _Outputs({})
         if len(set(shapes.values())) == 1:
             height, width = next(iter(shapes.values()))
-            batch.stacked = self._output_memory((count, height, width, 3))
-            return dict(enumerate(batch.stacked.unbind(0)))
-        if batch.regions and len(batch.regions) == len(shapes):
+            stacked = self._output_memory((count, height, width, 3))
+            return _Outputs(dict(enumerate(stacked.unbind(0))), stacked=stacked)
+        if regions and len(regions) == len(shapes):
             height = max(h for h, _ in shapes.values())
             width = max(w for _, w in shapes.values())
-            padded = batch.padded = self._output_memory((count, height, width, 3))
-            # as_strided: a third of an indexing view's host cost, once per image
+            padded = self._output_memory((count, height, width, 3))
+            # as_strided: cheaper on the host than an indexing view, and it runs once per image
             strides, start = (width * 3, 3, 1), padded.storage_offset()
-            return {
+            slots = {
                 p: padded.as_strided((h, w, 3), strides, start + p * height * width * 3)
                 for p, (h, w) in shapes.items()
             }
-        return self._flat_slots(shapes)
+            return _Outputs(slots, padded=padded)
+        return _Outputs(self._flat_slots(shapes))
 
     def _flat_slots(self, shapes: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
         """Contiguous ``(H, W, 3)`` views into one allocation, one per position."""
@@ -399,14 +521,13 @@ class NvImageCodecDecoder(ImageDecoder):
         """Memory for nvImageCodec to decode into, never memory that queued work may still read.
 
         nvImageCodec does not always wait for work queued earlier on ``cuda_stream`` before it writes
-        into ``images=``: after pending work on the stream, the default backends wrote first in 19 of
-        20 decodes on an H200 (hybrid: 0 of 20). Memory allocated on the calling stream can be an
-        earlier group's, freed while that stream still has work reading it. So it is allocated from
-        a stream that runs nothing and marked as used by the calling stream: torch's allocator then
-        reuses it only once the calling stream has passed the point where it was freed, without a
-        host sync.
+        into ``images=`` (docs/design.md, "Decode memory that no queued work still reads"). Memory
+        allocated on the calling stream can be an earlier group's, freed while that stream still has
+        work reading it. So it is allocated from a stream that runs nothing and marked as used by the
+        calling stream: torch's allocator then reuses it only once the calling stream has passed the
+        point where it was freed, without a host sync.
         """
-        with torch.cuda.stream(_allocation_stream(self.device)):
+        with torch.cuda.stream(self._registry.allocation_stream(self.device)):
             memory = torch.empty(shape, dtype=torch.uint8, device=self.device)
         memory.record_stream(torch.cuda.current_stream(self.device))
         return memory
@@ -415,24 +536,29 @@ class NvImageCodecDecoder(ImageDecoder):
         self,
         encoded: Sequence[Encoded],
         reasons: dict[int, str],
-        batch: DecodedBatch,
         slots: dict[int, torch.Tensor],
         stats: StatsRecorder,
-    ) -> None:
-        """Decodes the samples the GPU gave up on with Pillow, uploading into their slots where they fit."""
+    ) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
+        """Decodes the samples the GPU gave up on with Pillow, uploading into their slots where they fit.
+
+        Returns:
+            The pixels of those Pillow decoded, and the errors of those it could not.
+        """
+        images: dict[int, torch.Tensor] = {}
+        errors: dict[int, str] = {}
         for position, reason in reasons.items():
-            batch.regions.discard(position)  # Pillow decodes the whole image: the caller crops it
             try:
                 pixels = torch.from_numpy(decode_rgb(encoded[position], max_pixels=self._max_pixels))
             except Exception as exc:
-                batch.errors[position] = f"{reason}; Pillow: {type(exc).__name__}: {exc}"
+                errors[position] = f"{reason}; Pillow: {type(exc).__name__}: {exc}"
                 continue
             slot = slots.get(position)
             if slot is not None and slot.shape == pixels.shape:
-                batch.images[position] = slot.copy_(pixels)
+                images[position] = slot.copy_(pixels)
             else:
-                batch.images[position] = pixels.to(self.device)
+                images[position] = pixels.to(self.device)
             stats.count("cpu_fallbacks")
+        return images, errors
 
 
 class _DeviceBuffer:
@@ -503,15 +629,6 @@ def _cpu_reason(nvimgcodec: ModuleType, code_stream: Any, codec: str, data: Enco
     if code_stream.color_spec == nvimgcodec.ColorSpec.PALETTE:
         return f"palette {codec} is decoded on the CPU"
     return None
-
-
-def _allocation_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream that decode outputs are allocated on (see ``_output_memory``)."""
-    with _registry_lock:
-        stream = _allocation_streams.get(device.index)
-        if stream is None:
-            stream = _allocation_streams[device.index] = torch.cuda.Stream(device)
-    return stream
 
 
 def _region(

@@ -1,0 +1,116 @@
+"""The options both front ends take, and what they build from them: the output format and the decoder.
+
+``ThreadLoader`` and ``BatchDecoder`` take the same output arguments (size, dtype, mean, std,
+channels_last) and decoding arguments (device, num_threads, backend, decode_threads, max_pixels,
+region_decode, decoder) and hand them here, so that each means the same thing in both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._device import default_decode_threads, default_num_threads, make_decoder, resolve_device
+from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
+from .decode.nvimgcodec import REGION_DECODE_ENV
+from .transforms import OutputFormat, Transform, stacking_size
+
+__all__ = ["Setup", "region_decode_default", "set_up"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a front end runs on: its device, reader threads, decoder and output format."""
+
+    device: torch.device
+    num_threads: int
+    decoder: ImageDecoder
+    output: OutputFormat
+
+
+def region_decode_default() -> bool:
+    """``region_decode=None``'s meaning: on, unless the environment sets ``THREADLOADER_REGION_DECODE=0``."""
+    return os.environ.get(REGION_DECODE_ENV, "1") != "0"
+
+
+def set_up(
+    transform: Transform | None,
+    *,
+    size: tuple[int, int] | None,
+    dtype: torch.dtype,
+    mean: Sequence[float] | None,
+    std: Sequence[float] | None,
+    channels_last: bool,
+    device: str | torch.device | int | None,
+    num_threads: int | None,
+    backend: str,
+    decode_threads: int | None,
+    max_pixels: int | None,
+    region_decode: bool | None,
+    decoder: ImageDecoder | None,
+) -> Setup:
+    """Checks the options and builds the output format, device, thread count and decoder from them.
+
+    The environment is read here, once: a front end keeps the region decoding it was built with.
+    """
+    output = OutputFormat(
+        size=stacking_size(size, transform), dtype=dtype, mean=mean, std=std, channels_last=channels_last
+    )
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    if decoder is not None:
+        resolved = _decoder_device(
+            decoder,
+            device=device,
+            backend=backend,
+            decode_threads=decode_threads,
+            max_pixels=max_pixels,
+            region_decode=region_decode,
+        )
+        return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output)
+    resolved = resolve_device(device)
+    threads = num_threads or default_num_threads(resolved)
+    built = make_decoder(
+        resolved,
+        backend=backend,
+        cpu_threads=decode_threads or default_decode_threads(threads),
+        max_pixels=max_pixels,
+        region_decode=region_decode_default() if region_decode is None else region_decode,
+    )
+    return Setup(resolved, threads, built, output)
+
+
+def _decoder_device(
+    decoder: ImageDecoder,
+    *,
+    device: str | torch.device | int | None,
+    backend: str,
+    decode_threads: int | None,
+    max_pixels: int | None,
+    region_decode: bool | None,
+) -> torch.device:
+    """The device of a decoder passed in, refusing the options that configure the built-in one."""
+    ignored = [
+        name
+        for name, value, default in (
+            ("backend", backend, "auto"),
+            ("decode_threads", decode_threads, None),
+            ("max_pixels", max_pixels, DEFAULT_MAX_PIXELS),
+            ("region_decode", region_decode, None),
+        )
+        if value != default
+    ]
+    if ignored:
+        raise ValueError(
+            f"{', '.join(ignored)} configure the built-in decoder, but decoder={decoder!r} was passed; "
+            "leave them unset and configure that decoder itself"
+        )
+    if device is not None and resolve_device(device) != decoder.device:
+        raise ValueError(
+            f"device={str(device)!r} but decoder={decoder!r} decodes on {decoder.device}; leave device "
+            "unset or pass a decoder for that device"
+        )
+    return decoder.device
