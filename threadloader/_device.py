@@ -167,4 +167,3 @@ def make_decoder(
     return NvImageCodecDecoder(
         device, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels, region_decode=region_decode
     )
-

@@ -154,10 +154,7 @@ class BatchProducer:
         # where a group of same-size images would be converted to float whole.
         formatted = (
             self._format(decoded, 0, len(group.refs), plans)
-            if decoded is not None
-            and not any(errors)
-            and len(group.batches) > 1
-            and _only_regions(decoded)
+            if decoded is not None and not any(errors) and len(group.batches) > 1 and _only_regions(decoded)
             else None
         )
         outcomes: list[Outcome] = []

@@ -321,7 +321,9 @@ class Resize(Transform):
         if isinstance(images, torch.Tensor) or isinstance(self.size, int):
             return super().apply_many(images, params)
         return resample_many(
-            images, [_whole(image) for image in images], self.output_size(None),  # type: ignore[arg-type]
+            images,
+            [_whole(image) for image in images],
+            self.output_size(None),  # type: ignore[arg-type]
             antialias=self.antialias,
         )
 
