@@ -20,13 +20,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from threadloader.transforms import (
-    Compose,
-    RandomHorizontalFlip,
-    RandomResizedCrop,
-    sample_generator,
-)
-from threadloader.transforms import normalize as normalize_
+from threadloader._seeding import sample_generator
+from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+from threadloader.transforms.functional import normalize as normalize_
 
 if TYPE_CHECKING:
     from nvidia import nvimgcodec

@@ -20,7 +20,8 @@ import torch
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
 from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD
 from threadloader import ThreadLoader
-from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, sample_generator
+from threadloader._seeding import sample_generator
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 
 def loader_row(

@@ -18,8 +18,8 @@ from threadloader.transforms import (
     RandomResizedCrop,
     Resize,
     ToDtype,
-    resample_many,
 )
+from threadloader.transforms.functional import resample_many
 
 from .conftest import gpu_mismatch, jpeg_corpus, photo
 from .golden import make_golden as golden

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from threadloader import SampleError, ThreadLoader
+from threadloader._regions import Region
 from threadloader._sampling import group_batches
-from threadloader.transforms import Images, RandomHorizontalFlip, RandomResizedCrop, Region, Transform
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
+from threadloader.transforms.functional import Images
 
 from .conftest import encode, mean_abs_diff, photo, pil_reference
 from .test_transforms import RegionDecoder

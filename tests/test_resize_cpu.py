@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from threadloader import ThreadLoader
-from threadloader.transforms import OutputFormat, RandomResizedCrop, Resize
+from threadloader import OutputFormat, ThreadLoader
+from threadloader.transforms import RandomResizedCrop, Resize
 
 from .conftest import encode, photo
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from threadloader import ThreadLoader
+from threadloader._options import as_transform
+from threadloader._seeding import sample_generator
 from threadloader.decode import ImageDecoder, PillowDecoder
 from threadloader.transforms import (
     CenterCrop,
@@ -17,10 +19,8 @@ from threadloader.transforms import (
     RandomResizedCrop,
     Resize,
     ToDtype,
-    as_transform,
-    resize,
-    sample_generator,
 )
+from threadloader.transforms.functional import resize
 
 from .conftest import encode, photo, pil_reference
 

@@ -6,6 +6,7 @@ one CUDA context, no worker processes, no pickling. Without a GPU, Pillow decode
 the output is the same.
 """
 
+from ._output import OutputFormat
 from ._sources import IMAGE_EXTENSIONS, ImageFolder
 from ._stats import STAGES, LoaderStats
 from ._tar import ShardError, TarMember, TarShards
@@ -13,7 +14,6 @@ from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
 from .loader import ThreadLoader
 from .service import BatchDecoder, QueueFullError, ServiceStats
-from .transforms import OutputFormat
 
 __version__ = "0.1.0"
 

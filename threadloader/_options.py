@@ -1,8 +1,8 @@
 """The options both front ends take, and what they build from them: the output format and the decoder.
 
 ``ThreadLoader`` and ``BatchDecoder`` take the same output arguments (size, dtype, mean, std,
-channels_last) and decoding arguments (device, num_threads, backend, decode_threads, max_pixels,
-region_decode, decoder) and hand them here, so that each means the same thing in both.
+channels_last), decoding arguments (device, num_threads, backend, decode_threads, max_pixels,
+region_decode, decoder) and ``transform=`` and hand them here, so that each means the same thing in both.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ._device import default_decode_threads, default_num_threads, make_decoder, resolve_device
+from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import REGION_DECODE_ENV
-from .transforms import OutputFormat, Transform, stacking_size
+from .transforms import Compose, Transform
 
-__all__ = ["Setup", "region_decode_default", "set_up"]
+__all__ = ["Setup", "as_transform", "region_decode_default", "set_up", "stacking_size"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,28 @@ class Setup:
 def region_decode_default() -> bool:
     """``region_decode=None``'s meaning: on, unless the environment sets ``THREADLOADER_REGION_DECODE=0``."""
     return os.environ.get(REGION_DECODE_ENV, "1") != "0"
+
+
+def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform | None:
+    """A front end's ``transform=`` argument as one transform (a list becomes a :class:`Compose`)."""
+    if transform is None or isinstance(transform, Transform):
+        return transform
+    if isinstance(transform, Sequence):
+        return Compose(transform)
+    raise TypeError(
+        f"transform must be a threadloader transform or a list of them, got {type(transform).__name__}; "
+        "torchvision transforms draw from the global RNG, which is not reproducible across threads"
+    )
+
+
+def stacking_size(size: tuple[int, int] | None, transform: Transform | None) -> tuple[int, int] | None:
+    """The output size of a front end: ``size`` if given, else a transform's fixed output size.
+
+    A crop or a resize to (H, W) thus gives stacked batches; ``None`` keeps a list of images.
+    """
+    if size is not None or transform is None:
+        return size
+    return transform.output_size(None)
 
 
 def set_up(

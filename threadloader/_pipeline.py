@@ -18,11 +18,15 @@ from torch.utils.data import default_collate
 
 from ._cancel import check_cancelled
 from ._handoff import ReaderStream, Ready
+from ._output import OutputFormat
+from ._regions import Region
+from ._seeding import sample_generator
 from ._sources import SampleRef, Source, fetch, read_bytes
 from ._stats import StatsRecorder
 from .decode.base import DecodedBatch, Encoded, ImageDecoder
 from .errors import SampleError
-from .transforms import Images, OutputFormat, Region, Transform, sample_generator
+from .transforms import Transform
+from .transforms.functional import Images
 
 __all__ = ["Batch", "BatchProducer", "OnError", "Outcome", "collate_targets"]
 
@@ -255,7 +259,7 @@ class _Plans:
         self._in_region: dict[int, Any] = {}
 
     def region_of(self, position: int, size: tuple[int, int]) -> Region | None:
-        """The region to decode for the sample at ``position``; see :data:`~.decode.base.RegionOf`."""
+        """The region to decode for the sample at ``position``; see :data:`~._regions.RegionOf`."""
         split = self._transform.split_region(self._draw(position, size))
         if split is None:
             return None

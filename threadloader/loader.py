@@ -19,7 +19,7 @@ import torch
 
 from ._device import default_decode_batch_size
 from ._handoff import ReaderStream
-from ._options import set_up
+from ._options import as_transform, set_up
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._sampling import BatchPlan, group_batches, resolve_shard
 from ._sources import as_source
@@ -27,7 +27,7 @@ from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .errors import LoaderClosedError, SampleError
-from .transforms import Transform, as_transform
+from .transforms import Transform
 
 __all__ = ["ThreadLoader"]
 

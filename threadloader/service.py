@@ -27,13 +27,14 @@ import torch
 
 from ._cancel import Cancelled
 from ._handoff import ReaderStream, Ready
-from ._options import set_up
+from ._options import as_transform, set_up
+from ._output import OutputFormat
 from ._pipeline import Batch, BatchProducer
 from ._stats import STAGES, StatsRecorder
 from ._workers import JOIN_TIMEOUT, POLL, ThreadGroup
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import LoaderClosedError, SampleError, ThreadLoaderError
-from .transforms import OutputFormat, Transform, as_transform
+from .transforms import Transform
 
 __all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
 

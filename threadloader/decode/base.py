@@ -1,18 +1,19 @@
 """The small interface every decoder implements, GPU or CPU.
 
 A decoder turns a batch of encoded images into RGB ``uint8`` HWC tensors on its device. Everything
-after that (resize, dtype, normalize, layout) is device-agnostic tensor code in ``transforms``, which
-is what makes the CPU and GPU paths give the same output.
+after that (transforms, resize, dtype, normalize, layout) is device-agnostic tensor code in
+``transforms`` and ``_output``, which is what makes the CPU and GPU paths give the same output.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .._regions import RegionOf
 from .._stats import StatsRecorder
 
 __all__ = [
@@ -25,10 +26,6 @@ __all__ = [
 ]
 
 Encoded = bytes | bytearray | memoryview
-
-#: Asked by a decoder that can decode part of an image, with a sample's position in the batch and its
-#: displayed ``(height, width)``: the region ``(top, left, height, width)`` to decode, or ``None``.
-RegionOf = Callable[[int, tuple[int, int]], tuple[int, int, int, int] | None]
 
 #: Default decompression-bomb guard: Pillow's own limit (about 89.5 million pixels, 9459 x 9459).
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -57,6 +54,7 @@ class DecodedBatch:
         regions: Positions decoded as the region ``region_of`` asked for, not as the whole image.
         padded: When set, a ``(B, Hmax, Wmax, 3)`` tensor holding each image of ``regions`` at the top
             left of its row (the rest of a row is undefined), so a batch of crops can be resized at once.
+            ``threadloader._regions`` has the whole contract of region decoding.
     """
 
     images: list[torch.Tensor | None]

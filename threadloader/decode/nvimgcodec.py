@@ -487,7 +487,8 @@ class NvImageCodecDecoder(ImageDecoder):
         Rows of a ``(B, H, W, 3)`` tensor when all shapes agree: every row is returned, so a CPU
         fallback of that shape fills its own. Regions of different sizes go to the top-left corners of
         a padded ``(B, Hmax, Wmax, 3)`` tensor, which the crop's resize then reads as one batch without
-        copying each image. Other images of different sizes: views into one flat buffer.
+        copying each image (``threadloader._regions`` has that contract). Other images of different
+        sizes: views into one flat buffer.
         """
         if not shapes:
             return _Outputs({})

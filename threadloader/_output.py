@@ -1,0 +1,124 @@
+"""The pipeline's output settings: from decoded RGB ``uint8`` images to the tensors the consumer asked for.
+
+Resize, dtype, normalization and layout, the last step of every batch on both paths, after the user's
+transforms: the same torch kernels (:mod:`threadloader.transforms.functional`) on the CPU and the GPU,
+on the reader thread's stream before the hand-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .transforms.functional import Images, normalize, resize, resize_many, to_dtype
+
+__all__ = ["FLOAT_DTYPES", "OutputFormat"]
+
+#: Floating-point output types; values are scaled to [0, 1] before normalization.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What every batch looks like when it reaches the consumer.
+
+    Attributes:
+        size: ``(H, W)`` to resize every image to (bilinear with antialias, as torchvision's Resize on
+            tensors) and stack into ``(B, 3, H, W)``; ``None`` keeps each image's size and returns a list
+            of ``(3, H, W)`` tensors.
+        dtype: ``torch.uint8`` (0-255), or a float type scaled to [0, 1].
+        mean: Per-channel mean subtracted after scaling (float outputs only).
+        std: Per-channel standard deviation divided by after subtracting ``mean``.
+        channels_last: Return stacked batches in ``torch.channels_last`` memory format.
+    """
+
+    size: tuple[int, int] | None = None
+    dtype: torch.dtype = torch.uint8
+    mean: Sequence[float] | None = None
+    std: Sequence[float] | None = None
+    channels_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.size is not None:
+            size = tuple(int(s) for s in self.size)
+            if len(size) != 2 or min(size) < 1:
+                raise ValueError(f"size must be (height, width) with positive sides, got {self.size!r}")
+            object.__setattr__(self, "size", size)
+        if self.dtype != torch.uint8 and self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be torch.uint8 or a float type, got {self.dtype}")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("give mean and std together (normalization needs both)")
+        if self.mean is not None and self.std is not None:
+            if self.dtype == torch.uint8:
+                raise ValueError(
+                    "mean/std need a float dtype (e.g. dtype=torch.float32): uint8 cannot hold them"
+                )
+            for name, values in (("mean", self.mean), ("std", self.std)):
+                if len(values) != 3:
+                    raise ValueError(f"{name} needs one value per RGB channel, got {values!r}")
+            if any(s == 0 for s in self.std):
+                raise ValueError(f"std must not contain zeros, got {self.std!r}")
+            object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+            object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        if self.channels_last and self.size is None:
+            raise ValueError("channels_last needs size=(H, W): it is a layout of stacked 4-D batches")
+
+    def apply(self, images: Images) -> Images:
+        """Formats images.
+
+        Args:
+            images: ``(3, H, W)`` tensors on one device, or a ``(B, 3, H, W)`` batch of them; at least one.
+                ``uint8`` (0-255), or float already in [0, 1] (as ``ToDtype(..., scale=True)`` leaves them).
+
+        Returns:
+            A ``(B, 3, H, W)`` tensor when ``size`` is set, else a list of ``(3, H, W)`` tensors.
+        """
+        if len(images) == 0:
+            raise ValueError("OutputFormat.apply needs at least one image")
+        if self.size is None:
+            if isinstance(images, torch.Tensor):
+                return list(self._finish(images, None).contiguous().unbind(0))
+            return [self._finish(image.unsqueeze(0), None)[0].contiguous() for image in images]
+        if not isinstance(images, torch.Tensor) and all(image.shape == images[0].shape for image in images):
+            images = torch.stack(images)
+        return self._layout(self._finish(images, self.size))
+
+    @property
+    def _memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+    def _layout(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.contiguous(memory_format=self._memory_format)
+
+    def _finish(self, batch: Images, size: tuple[int, int] | None) -> torch.Tensor:
+        """Resizes a batch to ``size`` if needed, then converts and normalizes it.
+
+        ``batch`` is a ``(B, 3, H, W)`` tensor, or a list of images of different sizes, which are
+        resampled together (on the CPU, each alone: :func:`~.transforms.functional.resize_many`). Float
+        outputs are resized in float, without rounding to integers first.
+        """
+        integer = not batch[0].is_floating_point()
+        if self.dtype == torch.uint8:
+            work_dtype = batch[0].dtype
+        else:
+            work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if isinstance(batch, list):
+            assert size is not None
+            work = resize_many(batch, size, dtype=work_dtype)
+        else:
+            work = batch.to(work_dtype)
+            if size is not None and tuple(work.shape[-2:]) != size:
+                work = resize(work, size)
+        if self.dtype == torch.uint8:
+            return to_dtype(work, torch.uint8, scale=True)
+        if work.device.type == "cpu":
+            # On a channels_last batch the per-channel constants broadcast along the innermost
+            # dimension, a slow path on the CPU: the arithmetic is several times faster on NCHW.
+            work = work.contiguous()
+        if integer:
+            work = work.div_(255)  # a new tensor here; exact, unlike a multiply by 1/255
+        if self.mean is not None and self.std is not None:
+            work = normalize(work, self.mean, self.std, inplace=work is not batch)  # never the caller's
+        return work.to(self.dtype)

@@ -1,0 +1,189 @@
+"""Geometric transforms: they draw their parameters and call the kernels of :mod:`.functional`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._regions import Region
+from .._seeding import RandomSource, draws
+from . import functional as F
+from ._transform import Transform
+from .functional import Images
+
+__all__ = ["CenterCrop", "RandomHorizontalFlip", "RandomResizedCrop", "Resize"]
+
+
+class Resize(Transform):
+    """Resizes to ``(H, W)``, or the shorter side to ``size`` keeping the aspect ratio (bilinear).
+
+    Args:
+        size: ``(H, W)``, or an int for the shorter side.
+        max_size: With an int ``size``, the longer side is capped at this.
+        antialias: Antialiased downscaling, as torchvision's default.
+    """
+
+    def __init__(
+        self, size: int | Sequence[int], *, max_size: int | None = None, antialias: bool = True
+    ) -> None:
+        self.size = size
+        self.max_size = max_size
+        self.antialias = antialias
+        if isinstance(size, int):
+            if max_size is not None and max_size <= size:
+                raise ValueError(f"max_size ({max_size}) must be larger than size ({size})")
+        elif len(size) != 2 or max_size is not None:
+            raise ValueError(
+                "size must be an int (shorter side) or (height, width); max_size only with an int"
+            )
+
+    def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
+        """torchvision's rule for the resized size."""
+        if not isinstance(self.size, int):
+            return (int(self.size[0]), int(self.size[1]))
+        if size is None:
+            return None
+        height, width = size
+        short, long = (width, height) if width <= height else (height, width)
+        new_short, new_long = self.size, int(self.size * long / short)
+        if self.max_size is not None and new_long > self.max_size:
+            new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
+        return (new_long, new_short) if width <= height else (new_short, new_long)
+
+    def __call__(self, images: torch.Tensor, *, generator: RandomSource = None) -> torch.Tensor:
+        """Resizes ``images``."""
+        return F.resize(images, self.output_size(tuple(images.shape[-2:])), antialias=self.antialias)  # type: ignore[arg-type]
+
+    def apply(self, images: torch.Tensor, params: Any) -> torch.Tensor:
+        """Resizes ``images`` (no parameters)."""
+        return self(images)
+
+    def apply_many(self, images: Images, params: Sequence[Any]) -> Images:
+        """A list of images of different sizes to one ``(H, W)`` is resampled as one batch."""
+        if isinstance(images, torch.Tensor) or isinstance(self.size, int):
+            return super().apply_many(images, params)
+        return F.resize_many(images, self.output_size(None), antialias=self.antialias)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"Resize({self.size!r}, max_size={self.max_size}, antialias={self.antialias})"
+
+
+class CenterCrop(Transform):
+    """Crops the center ``(H, W)`` (an int: square), padding with zeros where the image is smaller."""
+
+    def __init__(self, size: int | Sequence[int]) -> None:
+        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+    def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
+        """Always the crop size."""
+        return self.size
+
+    def apply(self, images: torch.Tensor, params: Any) -> torch.Tensor:
+        """Crops the center, as torchvision's ``center_crop``."""
+        return F.center_crop(images, self.size)
+
+    def __repr__(self) -> str:
+        return f"CenterCrop({self.size!r})"
+
+
+class RandomResizedCrop(Transform):
+    """Crops a random region of random area and aspect ratio, then resizes it to ``size``.
+
+    The region is drawn by torchvision's rule (ten tries at an area in ``scale`` and a log-uniform
+    aspect ratio in ``ratio``, else a central crop), from the generator only: with a ``torch.Generator``
+    seeded as ``torch.manual_seed(s)`` seeds the global one, the regions are torchvision's (the aspect
+    ratio's exponential is taken in double precision, torchvision's in single: about one region in
+    100,000 differs by a pixel).
+    """
+
+    random = True
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        *,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+        antialias: bool = True,
+    ) -> None:
+        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        if scale[0] > scale[1] or ratio[0] > ratio[1]:
+            raise ValueError(f"scale and ratio must be (min, max), got {scale} and {ratio}")
+        self.scale = scale
+        self.ratio = ratio
+        self.antialias = antialias
+        self._log_ratio = [float(r) for r in torch.log(torch.tensor(ratio))]  # float32, as torchvision
+
+    def sample(self, size: tuple[int, int], generator: RandomSource) -> tuple[int, int, int, int]:
+        """The region ``(top, left, height, width)`` for an image of ``size``."""
+        height, width = size
+        area = height * width
+        drawn = draws(generator)
+        for _ in range(10):
+            target_area = area * drawn.uniform(self.scale[0], self.scale[1])
+            aspect_ratio = math.exp(drawn.uniform(self._log_ratio[0], self._log_ratio[1]))
+            crop_w = round(math.sqrt(target_area * aspect_ratio))
+            crop_h = round(math.sqrt(target_area / aspect_ratio))
+            if 0 < crop_w <= width and 0 < crop_h <= height:
+                top = drawn.randrange(0, height - crop_h + 1)
+                left = drawn.randrange(0, width - crop_w + 1)
+                return top, left, crop_h, crop_w
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            crop_w, crop_h = width, round(width / min(self.ratio))
+        elif in_ratio > max(self.ratio):
+            crop_h, crop_w = height, round(height * max(self.ratio))
+        else:
+            crop_w, crop_h = width, height
+        return (height - crop_h) // 2, (width - crop_w) // 2, crop_h, crop_w
+
+    def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
+        """Always the crop size."""
+        return self.size
+
+    def apply(self, images: torch.Tensor, params: Region) -> torch.Tensor:
+        """Crops the region and resizes it."""
+        return F.resized_crop(images, params, self.size, antialias=self.antialias)
+
+    def apply_many(self, images: Images, params: Sequence[Region]) -> Images:
+        """Crops and resizes every image, each its own region, as one batch."""
+        return F.resample_many(images, params, self.size, antialias=self.antialias)
+
+    def split_region(self, params: Region) -> tuple[Region, Region]:
+        """Reads only the crop: from the crop alone, the crop is the whole image."""
+        _, _, height, width = params
+        return params, (0, 0, height, width)
+
+    def __repr__(self) -> str:
+        return f"RandomResizedCrop({self.size!r}, scale={self.scale}, ratio={self.ratio})"
+
+
+class RandomHorizontalFlip(Transform):
+    """Flips left-right with probability ``p``."""
+
+    random = True
+
+    def __init__(self, p: float = 0.5) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p must be a probability, got {p}")
+        self.p = p
+
+    def sample(self, size: tuple[int, int], generator: RandomSource) -> bool:
+        """Whether to flip (torchvision's draw: one uniform number)."""
+        return draws(generator).random() < self.p
+
+    def apply(self, images: torch.Tensor, params: bool) -> torch.Tensor:
+        """Flips when ``params`` says so."""
+        return F.horizontal_flip(images) if params else images
+
+    def apply_many(self, images: Images, params: Sequence[bool]) -> Images:
+        """On a batch: one select between the batch and its mirror image, not a flip per image."""
+        if not isinstance(images, torch.Tensor):
+            return super().apply_many(images, params)
+        return F.horizontal_flip_rows(images, params)
+
+    def __repr__(self) -> str:
+        return f"RandomHorizontalFlip(p={self.p})"

@@ -1,0 +1,45 @@
+"""Value transforms: per-channel normalization and dtype conversion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._transform import Transform
+from .functional import normalize, to_dtype
+
+__all__ = ["Normalize", "ToDtype"]
+
+
+class Normalize(Transform):
+    """``(image - mean) / std`` per channel, on float images."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        if any(s == 0 for s in std):
+            raise ValueError(f"std must not contain zeros, got {std!r}")
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+
+    def apply(self, images: torch.Tensor, params: Any) -> torch.Tensor:
+        """Normalizes ``images``."""
+        return normalize(images, self.mean, self.std)
+
+    def __repr__(self) -> str:
+        return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+class ToDtype(Transform):
+    """Converts the dtype; with ``scale``, uint8 0-255 maps to float [0, 1] and back."""
+
+    def __init__(self, dtype: torch.dtype, *, scale: bool = False) -> None:
+        self.dtype = dtype
+        self.scale = scale
+
+    def apply(self, images: torch.Tensor, params: Any) -> torch.Tensor:
+        """Converts ``images``."""
+        return to_dtype(images, self.dtype, scale=self.scale)
+
+    def __repr__(self) -> str:
+        return f"ToDtype({self.dtype}, scale={self.scale})"

@@ -1,0 +1,308 @@
+"""The transforms' kernels: pure functions on image tensors, with no parameters drawn.
+
+The same torch code runs on the CPU and the GPU, so both paths produce the same output from the same
+pixels. Work is done on the whole batch where shapes allow: one resize kernel for a same-size batch,
+not one op chain per image. The classes of :mod:`threadloader.transforms` draw parameters and call
+these; the output format (``threadloader._output``) calls them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .._regions import Region
+
+__all__ = [
+    "Images",
+    "center_crop",
+    "horizontal_flip",
+    "horizontal_flip_rows",
+    "normalize",
+    "resample_many",
+    "resize",
+    "resize_many",
+    "resized_crop",
+    "to_dtype",
+]
+
+#: Images of a batch: a ``(B, C, H, W)`` tensor, or a list of ``(C, H, W)`` tensors of any sizes.
+Images = torch.Tensor | list[torch.Tensor]
+
+
+def resize(images: torch.Tensor, size: tuple[int, int], *, antialias: bool = True) -> torch.Tensor:
+    """Bilinear resize of ``(..., C, H, W)`` images, as torchvision's ``resize`` on tensors.
+
+    ``uint8`` images on the CPU go through torch's own ``uint8`` kernel (what torchvision uses there):
+    several times faster than converting to float, and within 1 of the float result rounded. Other
+    integer images, and all on the GPU, are resized in float32 and rounded back.
+    """
+    if tuple(images.shape[-2:]) == tuple(size):
+        return images
+    shape = images.shape
+    work = images.reshape(-1, *shape[-3:])
+    if work.dtype == torch.uint8 and work.device.type == "cpu":
+        # Fastest on channels_last input, which a decoded HWC image permuted to CHW already is.
+        out = F.interpolate(work, size=size, mode="bilinear", antialias=antialias, align_corners=False)
+        return out.reshape(*shape[:-2], *size)
+    floating = work if work.is_floating_point() else work.float()
+    out = F.interpolate(floating, size=size, mode="bilinear", antialias=antialias, align_corners=False)
+    if not images.is_floating_point():
+        out = out.round_().clamp_(0, 255).to(images.dtype)
+    return out.reshape(*shape[:-2], *size)
+
+
+def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.Tensor:
+    """Converts images, scaling ``uint8`` 0-255 to and from [0, 1] floats when ``scale`` is set."""
+    if images.dtype == dtype:
+        return images
+    if not scale or images.is_floating_point() == dtype.is_floating_point:
+        return images.to(dtype)
+    if dtype.is_floating_point:
+        return images.to(dtype).div_(255)  # exact: a multiply by 1/255 is one ulp off for half the bytes
+    return images.mul(255 + 1 - 1e-3).to(dtype)  # torchvision's rule for float to uint8
+
+
+def normalize(
+    images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, inplace: bool = False
+) -> torch.Tensor:
+    """``(images - mean) / std`` per channel, on float images; ``inplace`` for a tensor the caller owns."""
+    if not images.is_floating_point():
+        raise TypeError("normalize needs float images: convert with ToDtype(torch.float32, scale=True) first")
+    mean_t = _channel_constant(tuple(float(m) for m in mean), images.device, images.dtype)
+    std_t = _channel_constant(tuple(float(s) for s in std), images.device, images.dtype)
+    if inplace:
+        return images.sub_(mean_t).div_(std_t)
+    return (images - mean_t) / std_t
+
+
+@lru_cache(maxsize=64)
+def _channel_constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A ``(C, 1, 1)`` tensor on ``device``, made once: a copy to the GPU per batch would sync the host."""
+    return torch.tensor(values, dtype=dtype, device=device).view(-1, 1, 1)
+
+
+#: Most float elements one :func:`resample_many` step works on at once (128 MiB of float32), to bound
+#: the memory of padding a batch of large, different-size images to one size.
+_RESAMPLE_ELEMENTS = 2**25
+
+
+def resample_many(
+    images: Images,
+    regions: Sequence[Region],
+    size: tuple[int, int],
+    *,
+    antialias: bool = True,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Crops each image to its region and resizes that to ``size``: one batch of work for all images.
+
+    On the GPU, computes what :func:`resize` computes on each crop (torch's bilinear filter,
+    antialiased when downscaling), but as two matrix products per image, ``Wy @ image @ Wx.T``, whose
+    weight matrices also select the region. Images of different sizes are padded to one size and
+    handled together, so a batch costs a fixed number of kernels instead of a chain of them per image.
+    Results equal :func:`resize` of each crop to within float rounding (at most 1 in 0-255 after
+    rounding). On the CPU, where a kernel call costs little and the padded products do many times the
+    work of torch's resize, each crop goes through :func:`resize` alone, so an image's result does not
+    depend on the other images of the batch.
+
+    Args:
+        images: ``(C, H, W)`` tensors on one device, or a ``(B, C, H, W)`` batch.
+        regions: ``(top, left, height, width)`` inside each image.
+        size: Output ``(height, width)``.
+        antialias: Antialiased downscaling, as :func:`resize`.
+        dtype: Of the result; default the images' (integers are rounded back).
+
+    Returns:
+        A ``(B, C, *size)`` tensor.
+    """
+    if len(images) != len(regions) or len(images) == 0:
+        raise ValueError(
+            f"resample_many needs one region per image and at least one image, got "
+            f"{len(images)} images and {len(regions)} regions"
+        )
+    # Sizes without iterating a batch tensor: that makes a view per image, several microseconds each.
+    sizes = (
+        [tuple(images.shape[-2:])] * len(images)
+        if isinstance(images, torch.Tensor)
+        else [tuple(image.shape[-2:]) for image in images]
+    )
+    for region, (image_height, image_width) in zip(regions, sizes, strict=True):
+        top, left, height, width = region
+        if (
+            height < 1
+            or width < 1
+            or top < 0
+            or left < 0
+            or top + height > image_height
+            or left + width > image_width
+        ):
+            raise ValueError(f"region {region} is not inside an image of size {(image_height, image_width)}")
+    if images[0].device.type == "cpu":
+        return _resample_each(images, regions, size, antialias, dtype)
+    height = max(h for h, _ in sizes)
+    width = max(w for _, w in sizes)
+    channels = images.shape[-3] if isinstance(images, torch.Tensor) else images[0].shape[-3]
+    step = max(1, _RESAMPLE_ELEMENTS // (channels * height * width))
+    parts = [
+        _resample(images[start : start + step], regions[start : start + step], size, antialias, dtype)
+        for start in range(0, len(images), step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _resample(
+    images: Images,
+    regions: Sequence[Region],
+    size: tuple[int, int],
+    antialias: bool,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    if isinstance(images, torch.Tensor):
+        hwc = images.permute(0, 2, 3, 1)  # decoded batches are HWC memory: then a view
+    elif all(image.shape == images[0].shape for image in images):
+        hwc = torch.stack(images).permute(0, 2, 3, 1)
+    else:
+        height = max(image.shape[-2] for image in images)
+        width = max(image.shape[-1] for image in images)
+        # Padding gets zero weight; zeros only where garbage could be NaN (floats): 0 * NaN is NaN.
+        blank = torch.zeros if images[0].is_floating_point() else torch.empty
+        hwc = blank(
+            (len(images), height, width, images[0].shape[-3]), dtype=images[0].dtype, device=images[0].device
+        )
+        for row, image in zip(hwc, images, strict=True):
+            row[: image.shape[-2], : image.shape[-1]].copy_(image.permute(1, 2, 0))
+    target = dtype or hwc.dtype
+    compute = torch.float64 if torch.float64 in (hwc.dtype, target) else torch.float32
+    batch, height, width, channels = hwc.shape
+    (out_h, out_w) = size
+    # One call builds the weights of both axes: (top, height, out_h) per region, then (left, width, out_w).
+    spans = [(top, h, out_h) for top, _, h, _ in regions] + [(left, w, out_w) for _, left, _, w in regions]
+    on_device = _to_device(torch.tensor(spans, dtype=compute), hwc.device)
+    weights = _filter_weights(on_device, max(out_h, out_w), max(height, width), antialias)
+    rows = weights[:batch, :out_h, :height]  # (B, out_h, H)
+    columns = weights[batch:, :out_w, :width]  # (B, out_w, W)
+    # Two batched products over (B, H, W*C) views: rows first, then columns after one transpose.
+    work = hwc.reshape(batch, height, width * channels).to(compute)
+    tall = torch.bmm(rows, work).view(batch, out_h, width, channels)
+    wide = tall.transpose(1, 2).reshape(batch, width, out_h * channels)
+    out = torch.bmm(columns, wide).view(batch, out_w, out_h, channels).permute(0, 3, 2, 1)
+    if not target.is_floating_point:
+        out = out.round_().clamp_(0, 255)
+    return out.to(target)
+
+
+def _resample_each(
+    images: Images,
+    regions: Sequence[Region],
+    size: tuple[int, int],
+    antialias: bool,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """:func:`resample_many` on the CPU: each crop resized alone, into one contiguous batch.
+
+    ``uint8`` to ``uint8`` stays integer (torch's fast kernel); otherwise a crop is resized in float32
+    (float64 when either side is), as :func:`_resample` computes, and rounded back to integers.
+    """
+    target = dtype or images[0].dtype
+    out = torch.empty((len(images), images[0].shape[-3], *size), dtype=target)
+    for row, image, (top, left, height, width) in zip(out, images, regions, strict=True):
+        crop = image[..., top : top + height, left : left + width].unsqueeze(0)  # keeps its strides
+        if crop.dtype == target == torch.uint8:
+            resized = resize(crop, size, antialias=antialias)
+        else:
+            compute = torch.float64 if torch.float64 in (crop.dtype, target) else torch.float32
+            resized = resize(crop.to(compute), size, antialias=antialias)
+            if not target.is_floating_point:
+                resized = resized.round().clamp_(0, 255)
+        row.copy_(resized[0])
+    return out
+
+
+def _filter_weights(spans: torch.Tensor, out_size: int, padded: int, antialias: bool) -> torch.Tensor:
+    """``(N, out_size, padded)`` bilinear weights, one matrix per ``(start, length, out)`` row of ``spans``.
+
+    Row ``i`` of a matrix samples output pixel ``i`` of ``out`` (later ones are unused) from the span
+    ``[start, start + length)``, by torch's interpolation rule: output pixel ``i`` is centred at
+    ``(i + 0.5) * scale`` in the span; antialiased, the triangle filter is widened by the downscale
+    factor and renormalized where it leaves the span; plain bilinear clamps at the edges instead.
+    """
+    start, length, out = (spans[:, k, None, None] for k in range(3))
+    scale = length / out
+    centers = (torch.arange(out_size, device=spans.device, dtype=spans.dtype)[None, :, None] + 0.5) * scale
+    offsets = torch.arange(padded, device=spans.device, dtype=spans.dtype)[None, None, :] - start
+    inside = (offsets >= 0) & (offsets < length)
+    if antialias:
+        distance = (offsets + 0.5 - centers) / scale.clamp(min=1.0)
+        weights = (1 - distance.abs()).clamp_(min=0) * inside
+        return weights / weights.sum(-1, keepdim=True).clamp_(min=torch.finfo(spans.dtype).tiny)
+    source = (centers - 0.5).clamp(min=0)
+    low = source.floor()
+    fraction = source - low
+    high = torch.minimum(low + 1, length - 1)
+    return ((offsets == low) * (1 - fraction) + (offsets == high) * fraction) * inside
+
+
+def resize_many(
+    images: Images, size: tuple[int, int], *, antialias: bool = True, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Resizes every image, of any sizes, to ``size`` as one batch: :func:`resample_many` of the whole."""
+    whole = [(0, 0, int(image.shape[-2]), int(image.shape[-1])) for image in images]
+    return resample_many(images, whole, size, antialias=antialias, dtype=dtype)
+
+
+def resized_crop(
+    images: torch.Tensor, region: Region, size: tuple[int, int], *, antialias: bool = True
+) -> torch.Tensor:
+    """Crops ``(..., C, H, W)`` images to one region and resizes it to ``size``."""
+    batch = images.reshape(-1, *images.shape[-3:])  # any leading dimensions, one region for all
+    out = resample_many(batch, [region] * len(batch), size, antialias=antialias)
+    return out.reshape(*images.shape[:-2], *size)
+
+
+def center_crop(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Crops the center ``(H, W)``, padding with zeros where the image is smaller, as torchvision's."""
+    height, width = images.shape[-2:]
+    crop_h, crop_w = size
+    if crop_h > height or crop_w > width:
+        pad_top, pad_left = max(crop_h - height, 0) // 2, max(crop_w - width, 0) // 2
+        pad = [pad_left, max(crop_w - width, 0) - pad_left, pad_top, max(crop_h - height, 0) - pad_top]
+        images = F.pad(images, pad)
+        height, width = images.shape[-2:]
+    top = round((height - crop_h) / 2.0)
+    left = round((width - crop_w) / 2.0)
+    return images[..., top : top + crop_h, left : left + crop_w]
+
+
+def horizontal_flip(images: torch.Tensor) -> torch.Tensor:
+    """Flips ``(..., C, H, W)`` images left-right."""
+    return images.flip(-1)
+
+
+def horizontal_flip_rows(batch: torch.Tensor, flips: Sequence[bool]) -> torch.Tensor:
+    """Flips left-right the images of a ``(B, C, H, W)`` batch where ``flips`` says so.
+
+    One select between the batch and its mirror image, not a flip per image.
+    """
+    if not any(flips):
+        return batch
+    if all(flips):
+        return horizontal_flip(batch)
+    mask = _to_device(torch.tensor(flips, dtype=torch.bool), batch.device)
+    return torch.where(mask.view(-1, 1, 1, 1), horizontal_flip(batch), batch)
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copies a small host tensor to ``device`` without waiting for the stream.
+
+    Through pinned memory from torch's host cache, which keeps it until the copy has run; a pageable
+    copy would wait. Staged by hand: ``Tensor.pin_memory()`` first asks the driver whether the tensor is
+    pinned already, about 90 us on an H200 host.
+    """
+    if device.type == "cpu":
+        return values
+    staged = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True).copy_(values)
+    return staged.to(device, non_blocking=True)
