@@ -7,8 +7,9 @@ a bad sample or a misuse of the loader from a bug anywhere else.
 from __future__ import annotations
 
 import re
+from queue import Full
 
-__all__ = ["LoaderClosedError", "SampleError", "ThreadLoaderError"]
+__all__ = ["LoaderClosedError", "QueueFullError", "SampleError", "ThreadLoaderError"]
 
 #: The heap address in a default object repr (``<_io.BytesIO object at 0x7f...>``): of no use to a reader,
 #: and a server that forwards the message would leak its memory layout.
@@ -57,3 +58,10 @@ def _rebuild_sample_error(index: int, origin: str, stage: str, reason: str) -> S
 
 class LoaderClosedError(ThreadLoaderError):
     """The loader was used after :meth:`ThreadLoader.close`."""
+
+
+class QueueFullError(ThreadLoaderError, Full):
+    """The request queue is at ``max_queue``: the service is overloaded.
+
+    Also a ``queue.Full``, so code written against the standard library's queues catches it.
+    """

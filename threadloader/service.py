@@ -11,48 +11,35 @@ Each caller gets its own image through a ``concurrent.futures.Future``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import itertools
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from queue import Full
-from typing import Any, Literal
+from typing import Literal
 
-import numpy as np
 import torch
 
-from ._cancel import Cancelled
-from ._handoff import ReaderStream, Ready
+from ._handoff import ReaderStream
 from ._options import as_transform, set_up
-from ._output import OutputFormat
-from ._pipeline import Batch, BatchProducer
+from ._serving.engine import Engine, serve
+from ._serving.metrics import Metrics
+from ._serving.queue import RequestQueue
 from ._stats import STAGES, StatsRecorder
-from ._workers import JOIN_TIMEOUT, POLL, ThreadGroup
+from ._workers import JOIN_TIMEOUT, ThreadGroup
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
-from .errors import LoaderClosedError, SampleError, ThreadLoaderError
+from .errors import QueueFullError
 from .transforms import Transform
 
 __all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
 
 WhenFull = Literal["block", "raise"]
 
-#: Requests whose latency :meth:`BatchDecoder.stats` summarizes (the most recent ones).
-LATENCY_WINDOW = 10_000
 #: How often :meth:`BatchDecoder.adecode` retries a full queue without blocking the event loop.
 _ASYNC_RETRY = 0.002
 
 _service_numbers = itertools.count()
-
-
-class QueueFullError(ThreadLoaderError, Full):
-    """The request queue is at ``max_queue``: the service is overloaded.
-
-    Also a ``queue.Full``, so code written against the standard library's queues catches it.
-    """
 
 
 @dataclass(frozen=True)
@@ -72,7 +59,8 @@ class ServiceStats:
         batches: Micro-batches decoded.
         batch_sizes: Micro-batch size to how many batches had it.
         latency_ms_p50: Median milliseconds from ``submit`` to the result, over the most recent
-            :data:`LATENCY_WINDOW` completed requests; ``None`` before the first.
+            :data:`~threadloader._serving.metrics.LATENCY_WINDOW` completed requests; ``None`` before
+            the first.
         latency_ms_p90: 90th percentile, likewise.
         latency_ms_p99: 99th percentile, likewise.
         cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
@@ -92,236 +80,6 @@ class ServiceStats:
     latency_ms_p99: float | None = None
     cpu_fallbacks: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
-
-
-@dataclass(slots=True)
-class _Request:
-    """One caller's image, the future it waits on, and the CUDA stream it will read the result on."""
-
-    number: int
-    data: Encoded
-    future: Future[torch.Tensor]
-    stream: torch.cuda.Stream | None
-    submitted: float  # time.perf_counter()
-
-
-class _RequestQueue:
-    """A bounded FIFO that hands out micro-batches; every wait in it ends when it is closed."""
-
-    def __init__(self, *, capacity: int, max_batch: int, max_delay: float) -> None:
-        self._capacity = capacity
-        self._max_batch = max_batch
-        self._max_delay = max_delay
-        self._lock = threading.Lock()
-        self._not_empty = threading.Condition(self._lock)
-        self._not_full = threading.Condition(self._lock)
-        # Held by the one worker gathering a batch, so that concurrent arrivals fill its batch instead
-        # of being split among idle workers; the others wait here and decode in parallel meanwhile.
-        self._gathering = threading.Lock()
-        self._items: collections.deque[_Request] = collections.deque()
-        self.closed = False
-        self.submitted = self.rejected = self.cancelled = 0
-
-    def put(
-        self, data: Encoded, stream: torch.cuda.Stream | None, *, wait: float | None
-    ) -> Future[torch.Tensor]:
-        """Enqueues a request; waits up to ``wait`` seconds for room (``None``: as long as it takes).
-
-        Raises:
-            QueueFullError: If the queue is still full when the wait ends.
-            LoaderClosedError: If the service is closed, also while waiting.
-        """
-        with self._lock:
-            deadline = None if wait is None else time.monotonic() + wait
-            while len(self._items) >= self._capacity and not self.closed:
-                remaining = POLL if deadline is None else deadline - time.monotonic()
-                if remaining <= 0:
-                    self.rejected += 1
-                    raise QueueFullError(
-                        f"BatchDecoder queue is full ({self._capacity} requests waiting, "
-                        f"max_queue={self._capacity}): the service is overloaded; retry later or raise "
-                        "max_queue"
-                    )
-                self._not_full.wait(min(remaining, POLL))
-            if self.closed:
-                raise LoaderClosedError("this BatchDecoder was closed; create a new one to decode")
-            future: Future[torch.Tensor] = Future()
-            self._items.append(_Request(self.submitted, data, future, stream, time.perf_counter()))
-            self.submitted += 1
-            self._not_empty.notify()
-        return future
-
-    def gather(self) -> list[_Request] | None:
-        """Blocks for the first request, then takes more until ``max_batch`` or ``max_delay`` after it.
-
-        The delay runs from the first request's submission, so a request that already waited behind
-        busy workers is not held back further. Requests cancelled by their caller are dropped here.
-
-        Returns:
-            The micro-batch (empty when all it took were cancelled); ``None`` once closed and drained.
-        """
-        with self._gathering, self._lock:
-            while not self._items:
-                if self.closed:
-                    return None
-                self._not_empty.wait(POLL)
-            deadline = self._items[0].submitted + self._max_delay
-            batch: list[_Request] = []
-            while len(batch) < self._max_batch:
-                if self._items:
-                    request = self._items.popleft()
-                    self._not_full.notify()
-                    if request.future.set_running_or_notify_cancel():
-                        batch.append(request)
-                    else:
-                        self.cancelled += 1
-                    continue
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0 or self.closed:
-                    break
-                self._not_empty.wait(remaining)
-            return batch
-
-    def close(self, *, cancel_pending: bool) -> None:
-        """Refuses new requests, wakes every waiter and, if asked, cancels the requests still queued."""
-        with self._lock:
-            self.closed = True
-            dropped = list(self._items) if cancel_pending else []
-            if cancel_pending:
-                self._items.clear()
-            self.cancelled += len(dropped)
-            self._not_empty.notify_all()
-            self._not_full.notify_all()
-        for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
-            request.future.cancel()
-
-    def counts(self) -> dict[str, Any]:
-        """Requests queued now, and the queue's counters, read together."""
-        with self._lock:
-            return {
-                "queue_depth": len(self._items),
-                "submitted": self.submitted,
-                "rejected": self.rejected,
-                "cancelled": self.cancelled,
-            }
-
-
-class _Metrics:
-    """Thread-safe counters of answered requests and batches, and a window of recent latencies."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.completed = self.failed = self.batches = 0
-        self.batch_sizes: collections.Counter[int] = collections.Counter()
-        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
-
-    def batch(self, size: int) -> None:
-        with self._lock:
-            self.batches += 1
-            self.batch_sizes[size] += 1
-
-    def answered(self, *, ok: bool, seconds: float) -> None:
-        with self._lock:
-            if ok:
-                self.completed += 1
-                self._latencies.append(seconds * 1000)
-            else:
-                self.failed += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            latencies = list(self._latencies)
-            values: dict[str, Any] = {
-                "completed": self.completed,
-                "failed": self.failed,
-                "batches": self.batches,
-                "batch_sizes": dict(sorted(self.batch_sizes.items())),
-            }
-        if latencies:
-            p50, p90, p99 = np.percentile(latencies, [50, 90, 99]).tolist()
-            values.update(latency_ms_p50=p50, latency_ms_p90=p90, latency_ms_p99=p99)
-        return values
-
-
-@dataclass(frozen=True)
-class _Engine:
-    """What a worker needs to make a micro-batch.
-
-    It holds no reference to the service, so that dropping the service runs its finalizer.
-    """
-
-    decoder: ImageDecoder
-    output: OutputFormat
-    transform: Transform | None
-    pipeline_stats: StatsRecorder
-    metrics: _Metrics
-
-    def run(self, requests: list[_Request], reader: ReaderStream) -> None:
-        """Decodes the requests as one batch on ``reader``'s stream and answers each future."""
-        self.metrics.batch(len(requests))
-        try:
-            self._decode(requests, reader)
-        except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
-            for request in requests:
-                if not request.future.done():
-                    self._answer(request, error=LoaderClosedError(_CLOSED_WHILE_DECODING))
-            raise
-        except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
-            for request in requests:
-                if not request.future.done():
-                    self._answer(request, error=exc)
-
-    def _decode(self, requests: list[_Request], reader: ReaderStream) -> None:
-        rejected: dict[int, SampleError] = {}
-        producer = BatchProducer(
-            source=[request.data for request in requests],
-            decoder=self.decoder,
-            output=self.output,
-            on_error="skip",  # a bad image fails its own request only
-            stats=self.pipeline_stats,
-            transform=self.transform,
-            on_skip=lambda error: rejected.__setitem__(error.index, error),
-        )
-        (outcome,) = producer.produce([range(len(requests))], reader)
-        if isinstance(outcome, Batch):
-            images, event = dict(zip(outcome.indices, outcome.images, strict=True)), outcome.ready.event
-        else:  # every image of the batch failed
-            images, event = {}, None
-        for position, request in enumerate(requests):
-            image = images.get(position)
-            if image is None:
-                self._answer(request, error=_request_error(request, rejected.get(position)))
-                continue
-            if request.stream is not None:  # safe on the stream that was current in the submitting thread
-                Ready([image], event).receive(stream=request.stream)
-            self._answer(request, image=image)
-
-    def _answer(
-        self, request: _Request, *, image: torch.Tensor | None = None, error: BaseException | None = None
-    ) -> None:
-        self.metrics.answered(ok=error is None, seconds=time.perf_counter() - request.submitted)
-        if error is None:
-            request.future.set_result(image)  # type: ignore[arg-type]
-        else:
-            request.future.set_exception(error)
-
-
-_CLOSED_WHILE_DECODING = "the interpreter is exiting: its BatchDecoder stopped while decoding this request"
-
-
-def _request_error(request: _Request, error: SampleError | None) -> SampleError:
-    """The pipeline's error for a rejected image, renamed after the request rather than its batch slot."""
-    origin = f"request {request.number}, {len(request.data)} bytes"
-    reason = error.reason if error is not None else "the decoder rejected it"
-    stage = error.stage if error is not None else "decode"
-    return SampleError(index=request.number, origin=origin, stage=stage, reason=reason)
-
-
-def _serve(queue: _RequestQueue, engine: _Engine, readers: list[ReaderStream], index: int) -> None:
-    """Worker ``index``: gathers micro-batches and decodes them until the queue is closed and drained."""
-    while (requests := queue.gather()) is not None:
-        if requests:
-            engine.run(requests, readers[index])
 
 
 class BatchDecoder:
@@ -425,15 +183,15 @@ class BatchDecoder:
         self.when_full: WhenFull = when_full
         self._output = setup.output
         self._pipeline_stats = StatsRecorder()
-        self._metrics = _Metrics()
-        engine = _Engine(
+        self._metrics = Metrics()
+        engine = Engine(
             decoder=setup.decoder,
             output=setup.output,
             transform=chain,
             pipeline_stats=self._pipeline_stats,
             metrics=self._metrics,
         )
-        self._queue = _RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
+        self._queue = RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
         readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         # The workers see the queue and the engine, never the service: dropping it runs its finalizer.
         # Interpreter exit cancels the group: queued requests are cancelled, batches being decoded stop
@@ -441,7 +199,7 @@ class BatchDecoder:
         self._group = ThreadGroup(
             name=f"threadloader-service{next(_service_numbers)}",
             count=self.num_threads,
-            target=functools.partial(_serve, self._queue, engine, readers),
+            target=functools.partial(serve, self._queue, engine, readers),
             wake=functools.partial(self._queue.close, cancel_pending=True),
         )
 
