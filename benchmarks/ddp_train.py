@@ -292,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
             print(f"total: {result['images_per_s_total']:.0f} img/s on {world_size} rank(s)")
             print(f"resume check: {result['resume_check']}", flush=True)
+        dist.barrier()  # no rank leaves with collectives of another still in flight
     finally:
         dist.destroy_process_group()
 
