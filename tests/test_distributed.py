@@ -153,6 +153,18 @@ def _rank_main(rank: int, world_size: int, init: str, samples: list[tuple[bytes,
         dist.destroy_process_group()
 
 
+def test_world_size_one_loads_everything_on_any_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under an initialized process group, world_size=1 (a validation loader that every rank runs over
+    # the whole set) must not take this process's rank, which is out of range for one process.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with ThreadLoader(list(range(10)), batch_size=5, world_size=1, device="cpu") as loader:
+        assert (loader.state_dict()["arguments"]["rank"], len(loader)) == (0, 2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        ThreadLoader(list(range(10)), batch_size=5, world_size=1, rank=1, device="cpu")
+
+
 def test_two_processes_take_rank_and_world_size_from_gloo(
     samples: list[tuple[bytes, int]], tmp_path: Path
 ) -> None:

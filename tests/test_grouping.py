@@ -255,3 +255,49 @@ def test_a_group_formatted_at_once_into_lists_gives_images_of_their_own(
         assert isinstance(images, list)
         for image in images:
             assert image.shape == (3, 16, 16) and image.untyped_storage().nbytes() == image.nbytes
+
+
+class _RecordingRegionDecoder(RegionDecoder):
+    """Notes the samples of each decoder call (by their bytes), in call order."""
+
+    def __init__(self, names: dict[bytes, int]) -> None:
+        super().__init__()
+        self.names, self.calls = names, []  # type: ignore[var-annotated]
+
+    def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
+        self.calls.append(sorted(self.names[bytes(data)] for data in encoded))
+        return super().decode(encoded, stream=stream, stats=stats, region_of=region_of)
+
+
+@pytest.mark.parametrize("consumed", [1, 4, 5])  # inside the first group, inside the second, its last batch
+def test_a_resumed_epoch_decodes_the_uninterrupted_groups(
+    sized: list[tuple[bytes, int]], consumed: int
+) -> None:
+    # On the GPU, the regions of a group are resampled in one padded tensor, so a float pixel depends on
+    # its group: resuming must decode the groups the uninterrupted epoch decoded (the first one whole,
+    # its batches before the state dropped), not new groups counted from the resume point.
+    names = {data: target for data, target in sized}
+    options = dict(
+        batch_size=4, shuffle=True, seed=3, num_threads=1, decode_batch_size=12,
+        transform=[RandomResizedCrop(16), RandomHorizontalFlip()], dtype=torch.float32,
+        mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3),
+    )  # fmt: skip
+    first = _RecordingRegionDecoder(names)
+    with ThreadLoader(sized, decoder=first, **options) as loader:
+        expected = [(images, targets.tolist()) for images, targets in loader]
+        loader.set_epoch(0)
+        iterator = iter(loader)
+        for _ in range(consumed):
+            next(iterator)
+        state = loader.state_dict()
+        del iterator
+    groups = first.calls[:2]  # the uninterrupted epoch's (one reader thread: its calls come first)
+    assert [len(g) for g in groups] == [12, 11]
+    second = _RecordingRegionDecoder(names)
+    with ThreadLoader(sized, decoder=second, **options) as resumed:
+        resumed.load_state_dict(state)
+        got = [(images, targets.tolist()) for images, targets in resumed]
+    assert second.calls == groups[consumed // 3 :]
+    assert [targets for _, targets in got] == [targets for _, targets in expected[consumed:]]
+    for (images, targets), (reference, _) in zip(got, expected[consumed:], strict=True):
+        assert torch.equal(images, reference), f"pixels differ in the batch of samples {targets}"

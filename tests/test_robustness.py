@@ -351,6 +351,22 @@ def test_a_fifo_or_device_given_as_a_path_is_a_read_error(tmp_path: Path) -> Non
         assert f"not a regular file ({kind})" in error.reason
 
 
+def test_a_folder_given_as_a_path_is_a_read_error_and_leaks_no_descriptor(tmp_path: Path) -> None:
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with ThreadLoader([(str(tmp_path), 0)], batch_size=1, device="cpu", num_threads=1) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+        assert (caught.value.stage, caught.value.origin) == ("read", str(tmp_path))
+        assert "not a regular file (a directory)" in caught.value.reason
+        before = open_descriptors()
+        for _ in range(20):
+            with pytest.raises(SampleError):
+                list(loader)
+        assert open_descriptors() <= before
+
+
 def test_symlinked_folders_are_followed_once_and_loops_reported(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -427,6 +427,34 @@ def test_close_from_another_thread_fails_the_waiting_next(blobs: list[bytes]) ->
     assert source.slow_calls < SLOW_BATCH
 
 
+def test_close_while_a_pass_is_starting_still_stops_it(blobs: list[bytes]) -> None:
+    # close() from another thread while __iter__ is between its closed-check and registering the new
+    # pass (here: inside the sampler's set_epoch) must not return before that pass is stopped.
+    inside, go = threading.Event(), threading.Event()
+
+    class Sampler:
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(8))
+
+        def __len__(self) -> int:
+            return 8
+
+        def set_epoch(self, epoch: int) -> None:
+            inside.set()
+            go.wait(10)
+
+    loader = ThreadLoader(blobs[:8], batch_size=2, sampler=Sampler(), num_threads=1)
+    closer = threading.Thread(target=lambda: (inside.wait(10), loader.close()))
+    closer.start()
+    starter = threading.Thread(target=lambda: (inside.wait(10), time.sleep(0.2), go.set()))
+    starter.start()
+    iterator = iter(loader)  # blocks in set_epoch until go; close() runs meanwhile
+    closer.join(10)
+    starter.join(10)
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+
+
 def test_close_from_another_thread_drops_batches_already_received(blobs: list[bytes]) -> None:
     samples = [(blob, i) for i, blob in enumerate(blobs[:16])]
     loader = ThreadLoader(samples, batch_size=2, decode_batch_size=8, num_threads=1)

@@ -9,12 +9,12 @@ and it is ``DistributedSampler``'s permutation, so every rank of a job draws the
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 import torch
 
-__all__ = ["BatchPlan", "group_batches", "resolve_shard", "shard"]
+__all__ = ["BatchPlan", "group_batches", "resolve_shard", "resume_groups", "shard"]
 
 
 class BatchPlan:
@@ -89,22 +89,13 @@ class BatchPlan:
             if obj is not None and callable(getattr(obj, "set_epoch", None)):
                 obj.set_epoch(epoch)  # type: ignore[union-attr]
 
-    def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
-        """Yields the batches of one epoch from batch number ``start`` on, lazily (samplers may be long).
-
-        A user's sampler is iterated from its beginning and its first ``start`` batches are dropped:
-        resuming replays it.
-        """
+    def batches(self, epoch: int) -> Iterator[list[int]]:
+        """Yields the batches of one epoch, lazily (samplers may be long)."""
         if self._batch_sampler is not None:
-            for batch in islice(self._batch_sampler, start, None):
+            for batch in self._batch_sampler:
                 yield [int(i) for i in batch]
             return
-        skipped = start * self._batch_size
-        indices: Iterator[Any] = (
-            islice(iter(self._sampler), skipped, None)
-            if self._sampler is not None
-            else iter(self._indices(epoch)[skipped:])
-        )
+        indices: Iterator[Any] = iter(self._sampler if self._sampler is not None else self._indices(epoch))
         while batch := [int(i) for i in islice(indices, self._batch_size)]:
             if len(batch) < self._batch_size and self._drop_last:
                 return
@@ -152,7 +143,9 @@ def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size is None:
         world_size = torch.distributed.get_world_size() if initialized else 1
     if rank is None:
-        if initialized:
+        if world_size == 1:  # every rank loads the whole set (validation, say), whatever its own rank
+            rank = 0
+        elif initialized:
             rank = torch.distributed.get_rank()
         elif world_size > 1:
             raise ValueError(
@@ -185,6 +178,25 @@ def _length_of(obj: object, name: str) -> int:
     if not isinstance(obj, Sized):
         raise TypeError(f"{name} {type(obj).__name__} has no __len__, so the loader's length is unknown")
     return len(obj)
+
+
+def resume_groups(
+    batches: Iterable[list[int]], max_images: int, start: int
+) -> tuple[Iterator[list[list[int]]], int]:
+    """The groups of an epoch from batch ``start`` on, formed as the uninterrupted epoch forms them.
+
+    Groups are formed from the epoch's first batch, and the whole groups before ``start`` are left out
+    (planning only: nothing is read). The group holding batch ``start`` is kept whole, because a group
+    is decoded and, for random crops, resampled together: the same group gives the uninterrupted run's
+    pixels. Returns the groups and how many batches at the head of the first one the consumer drops.
+    """
+    groups = group_batches(batches, max_images)
+    passed = 0
+    for group in groups:
+        if passed + len(group) > start:
+            return chain([group], groups), start - passed
+        passed += len(group)
+    return iter(()), 0
 
 
 def group_batches(batches: Iterable[list[int]], max_images: int) -> Iterator[list[list[int]]]:

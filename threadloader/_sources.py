@@ -299,10 +299,14 @@ def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
     if not isinstance(ref.data, (str, os.PathLike)):
         return ref.data
     try:
-        with open(os.open(ref.data, _READ_FLAGS), "rb", buffering=0) as f:  # unbuffered: one read
-            mode = os.fstat(f.fileno()).st_mode
+        fd = os.open(ref.data, _READ_FLAGS)
+        try:
+            mode = os.fstat(fd).st_mode
             if stat.S_ISREG(mode):
-                return f.read()
+                with open(fd, "rb", buffering=0, closefd=False) as f:  # unbuffered: one read
+                    return f.read()
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
     raise SampleError(

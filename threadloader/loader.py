@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from ._device import default_decode_batch_size
 from ._handoff import ReaderStream
 from ._options import as_transform, set_up
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
-from ._sampling import BatchPlan, group_batches, resolve_shard
+from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool
@@ -228,6 +229,7 @@ class ThreadLoader:
         self._progress: _Progress | None = None  # the latest iteration's
         self._iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
         self._closed = False
+        self._lock = threading.RLock()  # close() and __iter__: a pass that starts is closed, or sees _closed
 
     @property
     def source(self) -> Any:
@@ -240,24 +242,28 @@ class ThreadLoader:
 
     def __iter__(self) -> Iterator[tuple[Images, Any]]:
         """Starts an epoch: the epoch set by :meth:`set_epoch`, else the previous one plus one."""
-        if self._closed:
-            raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
-        epoch, start = self._next_epoch, self._resume
-        self._next_epoch += 1
-        self._resume = 0
-        self._plan.set_epoch(epoch)
-        self._progress = progress = _Progress(epoch, start)
-        pool: OrderedPool[list[Outcome]] = OrderedPool(
-            tasks=group_batches(progress.count(self._plan.batches(epoch, start)), self.decode_batch_size),
-            # Threads see only the producer and the streams, never the loader: dropping the loader
-            # and its iterators closes the pool.
-            work=functools.partial(_produce_on, self._producer, self._readers, epoch),
-            num_threads=self.num_threads,
-            window=self.num_threads * self.prefetch,
-            name=f"threadloader-e{epoch}",
-        )
-        iterator = _EpochIterator(self, pool, epoch, progress)
-        self._iterators.add(iterator)
+        with self._lock:
+            if self._closed:
+                raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
+            epoch, start = self._next_epoch, self._resume
+            self._next_epoch += 1
+            self._resume = 0
+            self._plan.set_epoch(epoch)
+            self._progress = progress = _Progress(epoch, start)
+            groups, drop = resume_groups(
+                progress.count(self._plan.batches(epoch)), self.decode_batch_size, start
+            )
+            pool: OrderedPool[list[Outcome]] = OrderedPool(
+                tasks=groups,
+                # Threads see only the producer and the streams, never the loader: dropping the loader
+                # and its iterators closes the pool.
+                work=functools.partial(_produce_on, self._producer, self._readers, epoch),
+                num_threads=self.num_threads,
+                window=self.num_threads * self.prefetch,
+                name=f"threadloader-e{epoch}",
+            )
+            iterator = _EpochIterator(self, pool, epoch, progress, drop=drop)
+            self._iterators.add(iterator)
         return iterator
 
     def set_epoch(self, epoch: int) -> None:
@@ -358,8 +364,10 @@ class ThreadLoader:
         for them. An iteration's next ``next()``, and one already waiting in another thread, raises
         :class:`LoaderClosedError` rather than ending the loop as if the epoch were complete.
         """
-        self._closed = True
-        for iterator in list(self._iterators):
+        with self._lock:
+            self._closed = True
+            iterators = list(self._iterators)
+        for iterator in iterators:
             iterator.close(error=_closed_error)
 
     def __enter__(self) -> ThreadLoader:
@@ -390,11 +398,18 @@ class _EpochIterator:
     """One pass over the loader; hands batches out in order and closes its pool when done or dropped."""
 
     def __init__(
-        self, loader: ThreadLoader, pool: OrderedPool[list[Outcome]], epoch: int, progress: _Progress
+        self,
+        loader: ThreadLoader,
+        pool: OrderedPool[list[Outcome]],
+        epoch: int,
+        progress: _Progress,
+        *,
+        drop: int = 0,
     ) -> None:
         self._loader = loader  # keeps a loader used only through its iterator alive
         self._pool = pool
         self._progress = progress
+        self._drop = drop  # batches of a resumed first group that were consumed before the state
         self._stats = loader._stats
         self._pending: collections.deque[Outcome] = collections.deque()
         self.epoch = epoch
@@ -423,6 +438,9 @@ class _EpochIterator:
             if self._pool.closed or not self._pending:
                 with self._stats.timed("wait"):
                     self._pending.extend(self._pool.next())
+                for _ in range(min(self._drop, len(self._pending))):
+                    self._pending.popleft()
+                self._drop = 0
                 continue
             try:
                 outcome = self._pending.popleft()
@@ -462,8 +480,8 @@ class _Progress:
         self.finished = False
 
     def count(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
-        """Passes ``batches`` through, noting how many the epoch has once they run out."""
-        total = self.start
+        """Passes the epoch's batches (from its first) through, noting how many it has once they run out."""
+        total = 0
         for batch in batches:
             total += 1
             yield batch
