@@ -117,8 +117,10 @@ def mean_abs_diff(tensor: torch.Tensor, reference: np.ndarray) -> float:
 #: mean absolute difference, the worst pixel row's mean, and the largest single difference. nvJPEG and
 #: libjpeg round the IDCT and chroma upsampling differently (whole images: means of 0.00-0.03 measured
 #: on an H200). The row and max checks fail an image with one corrupted row, which a mean over the
-#: image (or a batch) would pass. The session's worst values are printed at the end of a GPU run.
-GPU_TOLERANCE = {"mean": 0.1, "row": 1.0, "max": 16.0}
+#: image (or a batch) would pass. Random crops are compared with the CPU path, whose uint8 resize (torch's
+#: fixed-point kernel) is within 1 of the GPU's float one: worst per image mean 0.21, row 0.35, max 3 on
+#: an H200. The session's worst values are printed at the end of a GPU run.
+GPU_TOLERANCE = {"mean": 0.3, "row": 0.5, "max": 4.0}
 _WORST_GPU_DIFF: dict[str, float] = {}
 
 

@@ -56,7 +56,7 @@ class Slow(Dataset):
 
 
 def make(blobs: list[bytes], **options) -> ThreadLoader:
-    options = {"batch_size": 2, "num_threads": 3, "prefetch": 2, **options}
+    options = {"batch_size": 2, "num_threads": 3, "prefetch": 2, "device": "cpu", **options}
     return ThreadLoader(Slow(blobs), **options)
 
 
@@ -185,7 +185,7 @@ def test_context_manager_exit(blobs: list[bytes], refs: list[np.ndarray], raise_
 def test_many_epochs_in_a_row(blobs: list[bytes], refs: list[np.ndarray]) -> None:
     before = threading.active_count()
     loader = ThreadLoader(
-        [(b, i) for i, b in enumerate(blobs[:6])], batch_size=2, num_threads=3, shuffle=True
+        [(b, i) for i, b in enumerate(blobs[:6])], batch_size=2, num_threads=3, shuffle=True, device="cpu"
     )
     for e in range(30):
         order = []
@@ -278,7 +278,9 @@ def _settle(dataset: Recording, batch_size: int, expected: int) -> int:
 def test_prefetch_bound_is_exact(blobs: list[bytes], num_threads: int, prefetch: int) -> None:
     batch_size = 2
     dataset = Recording(blobs)  # 20 batches: more than any window here
-    loader = ThreadLoader(dataset, batch_size=batch_size, num_threads=num_threads, prefetch=prefetch)
+    loader = ThreadLoader(
+        dataset, batch_size=batch_size, num_threads=num_threads, prefetch=prefetch, device="cpu"
+    )
     window = num_threads * prefetch
     iterator = iter(loader)
     _, targets = next(iterator)  # the consumer holds batch 0 and does not advance
@@ -443,7 +445,7 @@ def test_close_while_a_pass_is_starting_still_stops_it(blobs: list[bytes]) -> No
             inside.set()
             go.wait(10)
 
-    loader = ThreadLoader(blobs[:8], batch_size=2, sampler=Sampler(), num_threads=1)
+    loader = ThreadLoader(blobs[:8], batch_size=2, sampler=Sampler(), num_threads=1, device="cpu")
     closer = threading.Thread(target=lambda: (inside.wait(10), loader.close()))
     closer.start()
     starter = threading.Thread(target=lambda: (inside.wait(10), time.sleep(0.2), go.set()))
@@ -457,7 +459,7 @@ def test_close_while_a_pass_is_starting_still_stops_it(blobs: list[bytes]) -> No
 
 def test_close_from_another_thread_drops_batches_already_received(blobs: list[bytes]) -> None:
     samples = [(blob, i) for i, blob in enumerate(blobs[:16])]
-    loader = ThreadLoader(samples, batch_size=2, decode_batch_size=8, num_threads=1)
+    loader = ThreadLoader(samples, batch_size=2, decode_batch_size=8, num_threads=1, device="cpu")
     iterator = iter(loader)
     _, targets = next(iterator)  # batch 0 of a group of 4: batches 1-3 are in the iterator already
     assert targets.tolist() == [0, 1]
