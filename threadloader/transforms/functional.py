@@ -300,7 +300,7 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     Through pinned memory from torch's host cache, which keeps it until the copy has run; a pageable
     copy would wait. Staged by hand: ``Tensor.pin_memory()`` first asks the driver whether the tensor is
-    pinned already, about 90 us on an H200 host.
+    pinned already, a driver call per copy (its cost: docs/benchmarks.md).
     """
     if device.type == "cpu":
         return values
