@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import PIL
 import torch
@@ -161,6 +162,18 @@ def _take(stream: Iterator[Batch], step: Step, count: int) -> tuple[int, float]:
     return images, waited
 
 
+def record_failure(row: Row | Any, error: Exception) -> None:
+    """Marks a row skipped (a :class:`SkipRow`) or failed (traceback printed, first line kept).
+
+    One broken loader must not end a run that measures the others.
+    """
+    if isinstance(error, SkipRow):
+        row.status, row.reason = "skipped", str(error)
+        return
+    traceback.print_exc()
+    row.status, row.reason = "failed", f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 def measure(case: Case, *, device: str, warmup: int, batches: int, make_step: Callable[[int], Step]) -> Row:
     """Run one case with the shared method; never raises for a skipped or failing loader.
 
@@ -198,11 +211,8 @@ def measure(case: Case, *, device: str, warmup: int, batches: int, make_step: Ca
         row.extra_gpu_mb = memory.stop()
         if device == "cuda":
             row.torch_reserved_mb = (torch.cuda.max_memory_reserved() - reserved) / 2**20
-    except SkipRow as e:
-        row.status, row.reason = "skipped", str(e)
     except Exception as e:
-        traceback.print_exc()
-        row.status, row.reason = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        record_failure(row, e)
     finally:
         memory.stop()
         stream.close()

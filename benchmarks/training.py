@@ -41,7 +41,7 @@ import torch
 from benchmarks import loaders, timeline
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
-from benchmarks.run import DeviceMemory, _names, _release, _take, hardware
+from benchmarks.run import DeviceMemory, _names, _release, _take, hardware, record_failure
 from benchmarks.train_step import KINDS, Step, make_step, model_name
 
 PIPELINES = ("resize", "augment")
@@ -175,13 +175,8 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
         row.extra_device_mb = memory.stop()
         if device == "cuda":
             row.extra_torch_peak_mb = (torch.cuda.max_memory_allocated() - step_peak) / 2**20
-    except SkipRow as e:
-        row.status, row.reason = "skipped", str(e)
     except Exception as e:
-        import traceback
-
-        traceback.print_exc()
-        row.status, row.reason = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        record_failure(row, e)
     finally:
         memory.stop()
         if stream is not None:
