@@ -9,6 +9,8 @@ import gc
 import io
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -227,3 +229,16 @@ def no_leaked_threads() -> Iterator[None]:
     gc.collect()
     leaked = wait_for_no_reader_threads(timeout=2.0)
     assert not leaked, f"reader threads still alive after the test: {[t.name for t in leaked]}"
+
+
+def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """A benchmark module's smoke run in a subprocess, as CI runs it (its DataLoader workers and threads
+    stay out of the test process), on the CPU, with its data cached under ``tmp_path``."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=os.environ | {"THREADLOADER_BENCH_CACHE": str(tmp_path / "data"), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

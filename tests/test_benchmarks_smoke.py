@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import run_benchmark
 
 pytest.importorskip("skimage", reason="benchmarks need scikit-image for their photos")
 pytest.importorskip("matplotlib", reason="benchmarks need matplotlib for the chart")
@@ -18,15 +15,7 @@ pytest.importorskip("matplotlib", reason="benchmarks need matplotlib for the cha
 
 def test_quick_cpu_run_writes_reports(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    # A subprocess, as CI runs it: DataLoader workers and threads stay out of the test process.
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--device", "cpu", "--out", str(out)],
-        cwd=REPO,
-        env=os.environ | {"THREADLOADER_BENCH_CACHE": str(tmp_path / "data")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_benchmark("benchmarks.run", ["--quick", "--device", "cpu", "--out", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert {p.name for p in out.iterdir()} >= {"report.md", "report.json", "report.png"}
     rows = json.loads((out / "report.json").read_text())["rows"]
@@ -37,25 +26,8 @@ def test_quick_cpu_run_writes_reports(tmp_path: Path) -> None:
 
 
 def test_stage_profile_runs_and_reports_each_stage(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.stages",
-            "--set",
-            "fixed",
-            "--count",
-            "32",
-            "--augment",
-            "--batches",
-            "2",
-        ],
-        cwd=REPO,
-        env=os.environ | {"THREADLOADER_BENCH_CACHE": str(tmp_path / "data"), "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["--set", "fixed", "--count", "32", "--augment", "--batches", "2"]
+    result = run_benchmark("benchmarks.stages", args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == [
@@ -65,21 +37,10 @@ def test_stage_profile_runs_and_reports_each_stage(tmp_path: Path) -> None:
     assert all("img/s" in line and "'transform'" in line for line in lines)
 
 
-def _bench(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env=os.environ | {"THREADLOADER_BENCH_CACHE": str(tmp_path / "data"), "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_training_benchmark_reports_each_row_against_the_fixed_input(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["--quick", "--device", "cpu", "--pipelines", "resize", "--loaders", "fixed_input,threadloader"]
-    result = _bench("benchmarks.training", [*args, "--out", str(out)], tmp_path)
+    result = run_benchmark("benchmarks.training", [*args, "--out", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert {p.name for p in out.iterdir()} >= {"training.md", "training.json", "training.png"}
     rows = json.loads((out / "training.json").read_text())["rows"]
@@ -109,7 +70,9 @@ def test_gil_benchmark_measures_the_loop_beside_each_load(tmp_path: Path) -> Non
         "--backgrounds",
         "threadloader,decode",
     ]
-    result = _bench("benchmarks.gil", [*args, "--seconds", "1", "--out", str(tmp_path / "out")], tmp_path)
+    result = run_benchmark(
+        "benchmarks.gil", [*args, "--seconds", "1", "--out", str(tmp_path / "out")], tmp_path
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = json.loads((tmp_path / "out" / "gil.json").read_text())["rows"]
     assert [(r["background"], r["ops"]) for r in rows] == [("threadloader", "cpu"), ("decode", "cpu")]
@@ -120,7 +83,7 @@ def test_gil_benchmark_measures_the_loop_beside_each_load(tmp_path: Path) -> Non
 
 def test_training_timeline_writes_a_trace(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = _bench(
+    result = run_benchmark(
         "benchmarks.training", ["--quick", "--device", "cpu", "--timeline", "--out", str(out)], tmp_path
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import run_benchmark
 
 pytest.importorskip("skimage", reason="benchmarks need scikit-image for their photos")
 pytest.importorskip("fsspec", reason="the URL rows need fsspec: pip install -e '.[remote]'")
@@ -18,14 +15,7 @@ pytest.importorskip("fsspec", reason="the URL rows need fsspec: pip install -e '
 
 def test_quick_sources_run_reports_every_source(tmp_path: Path) -> None:
     out = tmp_path / "sources.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sources", "--quick", "--device", "cpu", "--out", str(out)],
-        cwd=REPO,
-        env=os.environ | {"THREADLOADER_BENCH_CACHE": str(tmp_path / "data")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_benchmark("benchmarks.sources", ["--quick", "--device", "cpu", "--out", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     summary = {row["source"]: row for row in report["summary"]}
