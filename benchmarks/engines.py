@@ -78,7 +78,9 @@ def _timed_threads(work: list[Callable[[], int]]) -> tuple[float, int]:
     return time.perf_counter() - started, sum(counts)
 
 
-def engine_rows(root: Path, *, count: int, batch: int, specs: Sequence[str]) -> list[dict[str, Any]]:
+def engine_rows(
+    root: Path, *, count: int, batch: int, specs: Sequence[str], pools: Sequence[int] = (1, 2)
+) -> list[dict[str, Any]]:
     """One row per engine set-up over the same images."""
     from nvidia import nvimgcodec as nv
 
@@ -92,7 +94,7 @@ def engine_rows(root: Path, *, count: int, batch: int, specs: Sequence[str]) -> 
         print(f"  {name}: {decoded / seconds:,.0f} img/s ({decoded}/{len(blobs)} decoded)", flush=True)
 
     for spec in specs:
-        for decoders in (1, 2):
+        for decoders in pools:
             engines = [nv.Decoder(backends=_backends(nv, spec)) for _ in range(decoders)]
             streams = [torch.cuda.Stream() for _ in engines]
             share = [blobs[i::decoders] for i in range(decoders)]
@@ -134,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--engines", default="auto,split-0.65,adaptive-0.65,HW_GPU_ONLY,GPU_ONLY,HYBRID_CPU_GPU"
     )
+    parser.add_argument("--decoders", default="1,2", help="Decoders (each in its own thread) per row")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {"hardware": hardware("cuda"), "batch": args.batch, "sets": {}}
@@ -141,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name} set, {args.count} images, batches of {args.batch}:", flush=True)
         root = ensure_dataset(name, count=args.count)
         report["sets"][name] = engine_rows(
-            root, count=args.count, batch=args.batch, specs=args.engines.split(",")
+            root, count=args.count, batch=args.batch, specs=args.engines.split(","),
+            pools=[int(n) for n in args.decoders.split(",")],
         )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
