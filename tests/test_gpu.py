@@ -188,7 +188,7 @@ def test_decodes_straight_into_one_batch_tensor() -> None:
         assert gpu_mismatch(image, pil_reference(blobs[position])) is None
 
 
-@pytest.mark.parametrize("backend", ["auto", "hardware", "hybrid"])
+@pytest.mark.parametrize("backend", ["auto", "hardware", "hybrid", "split"])
 def test_decoding_never_overwrites_memory_that_queued_work_still_reads(backend: str) -> None:
     """A group's decode memory, freed while its stream still has work reading it, is not decoded into.
 
@@ -220,6 +220,30 @@ def test_decoding_never_overwrites_memory_that_queued_work_still_reads(backend: 
     for copy in copies:
         for image, reference in zip(copy.cpu(), references, strict=True):
             assert gpu_mismatch(image, reference) is None
+
+
+@pytest.mark.parametrize("backend", ["auto", "split"])
+def test_a_pool_of_decoders_gives_pillows_pixels(backend: str) -> None:
+    """Four readers on a pool of three Decoders: every image as Pillow decodes it, at most three made."""
+    from threadloader.decode.nvimgcodec import DecoderRegistry, NvImageCodecDecoder
+
+    samples = _uniform_set(96)
+    references = [pil_reference(data) for data, _ in samples]
+    registry = DecoderRegistry()
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0), backend=backend, cpu_threads=2, gpu_decoders=3, registry=registry
+    )
+    seen = 0
+    with ThreadLoader(
+        samples, batch_size=8, shuffle=True, seed=3, num_threads=4, decode_batch_size=8, decoder=decoder
+    ) as loader:
+        for _ in range(3):
+            for images, targets in loader:
+                for image, target in zip(images, targets.tolist(), strict=True):
+                    assert gpu_mismatch(image, references[target]) is None, target
+                    seen += 1
+    assert seen == 3 * len(samples)
+    assert 1 <= registry.made((0, backend, 2)) <= 3
 
 
 def test_unsupported_by_gpu_falls_back_to_cpu() -> None:

@@ -113,8 +113,7 @@ def test_a_gpu_failing_the_region_check_decodes_whole_images() -> None:
 
 def test_the_region_check_passes_on_this_gpu() -> None:
     decoder = nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
-    region_decoder, _ = nv_module.SHARED.decoder((0, nv_module.REGION_BACKEND, 2))
-    assert decoder._check_regions(region_decoder)
+    assert decoder._check_regions()
 
 
 def test_crops_are_the_same_for_any_thread_count_on_the_gpu() -> None:

@@ -13,7 +13,7 @@ import os
 import torch
 
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
-from .decode.nvimgcodec import BACKENDS, NvImageCodecDecoder
+from .decode.nvimgcodec import BACKENDS, DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_gpu_decoders
 from .decode.pillow import PillowDecoder
 
 __all__ = [
@@ -152,12 +152,19 @@ def make_decoder(
     *,
     backend: str,
     cpu_threads: int,
+    gpu_decoders: int | None = None,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     region_decode: bool = True,
 ) -> ImageDecoder:
-    """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU (which decodes whole images)."""
+    """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU (which decodes whole images).
+
+    ``gpu_decoders`` is checked on every device, so a script that sets it fails the same way on a
+    machine without a GPU, and means nothing on the CPU.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if gpu_decoders is not None:
+        check_gpu_decoders(gpu_decoders)
     if device.type == "cpu":
         if backend != "auto":
             raise ValueError(
@@ -165,5 +172,10 @@ def make_decoder(
             )
         return PillowDecoder(max_pixels=max_pixels)
     return NvImageCodecDecoder(
-        device, backend=backend, cpu_threads=cpu_threads, max_pixels=max_pixels, region_decode=region_decode
+        device,
+        backend=backend,
+        cpu_threads=cpu_threads,
+        gpu_decoders=DEFAULT_GPU_DECODERS if gpu_decoders is None else gpu_decoders,
+        max_pixels=max_pixels,
+        region_decode=region_decode,
     )

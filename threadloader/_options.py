@@ -1,8 +1,9 @@
 """The options both front ends take, and what they build from them: the output format and the decoder.
 
 ``ThreadLoader`` and ``BatchDecoder`` take the same output arguments (size, dtype, mean, std,
-channels_last), decoding arguments (device, num_threads, backend, decode_threads, max_pixels,
-region_decode, decoder) and ``transform=`` and hand them here, so that each means the same thing in both.
+channels_last), decoding arguments (device, num_threads, backend, decode_threads, gpu_decoders,
+max_pixels, region_decode, decoder) and ``transform=`` and hand them here, so that each means the same
+thing in both.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def set_up(
     num_threads: int | None,
     backend: str,
     decode_threads: int | None,
+    gpu_decoders: int | None,
     max_pixels: int | None,
     region_decode: bool | None,
     decoder: ImageDecoder | None,
@@ -90,6 +92,7 @@ def set_up(
             device=device,
             backend=backend,
             decode_threads=decode_threads,
+            gpu_decoders=gpu_decoders,
             max_pixels=max_pixels,
             region_decode=region_decode,
         )
@@ -100,6 +103,7 @@ def set_up(
         resolved,
         backend=backend,
         cpu_threads=decode_threads or default_decode_threads(threads),
+        gpu_decoders=gpu_decoders,
         max_pixels=max_pixels,
         region_decode=region_decode_default() if region_decode is None else region_decode,
     )
@@ -112,6 +116,7 @@ def _decoder_device(
     device: str | torch.device | int | None,
     backend: str,
     decode_threads: int | None,
+    gpu_decoders: int | None,
     max_pixels: int | None,
     region_decode: bool | None,
 ) -> torch.device:
@@ -121,6 +126,7 @@ def _decoder_device(
         for name, value, default in (
             ("backend", backend, "auto"),
             ("decode_threads", decode_threads, None),
+            ("gpu_decoders", gpu_decoders, None),
             ("max_pixels", max_pixels, DEFAULT_MAX_PIXELS),
             ("region_decode", region_decode, None),
         )

@@ -95,9 +95,14 @@ class ThreadLoader:
         on_error: ``"raise"``: a bad sample raises :class:`SampleError` in the consumer at its batch.
             ``"skip"``: it is logged, counted in :meth:`stats` and left out of its batch (a batch left
             empty is not yielded).
-        backend: GPU decoding backend: ``"auto"``, ``"hardware"`` (the JPEG engine), ``"cuda"``,
-            ``"hybrid"`` or ``"cpu"`` (nvImageCodec's CPU decoder).
+        backend: GPU decoding backend: ``"auto"`` (nvImageCodec's choice per image), ``"split"`` (the
+            JPEG engine takes a fixed share of each batch, the CUDA and hybrid decoders the rest, at
+            once, as DALI's decoder does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` or
+            ``"cpu"`` (nvImageCodec's CPU decoder).
         decode_threads: nvImageCodec's own CPU threads; default: the cores the readers leave free.
+        gpu_decoders: Most nvImageCodec Decoders that decode at once on the device, each called by one
+            reader thread at a time; made only when the others are busy. Default: 2, the fastest
+            measured (docs/design.md). Ignored on the CPU.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches). Default 128 on a
             GPU, ``batch_size`` on the CPU (each Pillow thread decodes one batch).
@@ -113,8 +118,8 @@ class ThreadLoader:
             ``THREADLOADER_REGION_DECODE`` is ``0`` when the loader is built.
         decoder: An :class:`~threadloader.decode.ImageDecoder` to decode with instead of the one
             ``device`` and ``backend`` choose; ``device`` is then its device, and ``backend``,
-            ``decode_threads``, ``max_pixels`` and ``region_decode`` (which configure the built-in
-            decoders) must be left unset.
+            ``decode_threads``, ``gpu_decoders``, ``max_pixels`` and ``region_decode`` (which configure
+            the built-in decoders) must be left unset.
 
     Attributes:
         rank: The shard this process loads (see ``rank``).
@@ -150,6 +155,7 @@ class ThreadLoader:
         on_error: OnError = "raise",
         backend: str = "auto",
         decode_threads: int | None = None,
+        gpu_decoders: int | None = None,
         decode_batch_size: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         transform: Transform | Sequence[Transform] | None = None,
@@ -204,6 +210,7 @@ class ThreadLoader:
             num_threads=num_threads,
             backend=backend,
             decode_threads=decode_threads,
+            gpu_decoders=gpu_decoders,
             max_pixels=max_pixels,
             region_decode=region_decode,
             decoder=decoder,

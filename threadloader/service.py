@@ -112,6 +112,7 @@ class BatchDecoder:
             room (or ``timeout``), ``"raise"`` :class:`QueueFullError` at once (shed load).
         backend: GPU decoding backend, as for :class:`ThreadLoader`.
         decode_threads: nvImageCodec's own CPU threads; default: the cores the workers leave free.
+        gpu_decoders: Most nvImageCodec Decoders decoding at once, as for :class:`ThreadLoader`.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels fails its
             request, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
         transform: Deterministic transforms applied to every image after decoding, as for
@@ -142,6 +143,7 @@ class BatchDecoder:
         when_full: WhenFull = "block",
         backend: str = "auto",
         decode_threads: int | None = None,
+        gpu_decoders: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         transform: Transform | Sequence[Transform] | None = None,
         region_decode: bool | None = None,
@@ -172,6 +174,7 @@ class BatchDecoder:
             num_threads=num_threads,
             backend=backend,
             decode_threads=decode_threads,
+            gpu_decoders=gpu_decoders,
             max_pixels=max_pixels,
             region_decode=region_decode,
             decoder=decoder,

@@ -1,25 +1,28 @@
-"""GPU decoding with nvImageCodec: one Decoder per device and configuration, calls serialized.
+"""GPU decoding with nvImageCodec: a small pool of Decoders per device, each called by one thread at a time.
 
-Why serialized: with nvImageCodec 0.9.0, two threads calling ``decode()`` on one Decoder at once
-crashed the process (segmentation fault, nvjpeg "execution failed"). So every call into a Decoder on
-a device holds that device's lock, and everything else (parsing headers, allocating outputs,
-post-processing, the CPU fallback) runs in the reader threads in parallel. ``decode()`` releases the
-GIL, so the other threads keep working while one decodes.
+Why one thread per Decoder: with nvImageCodec 0.9.0, two threads calling ``decode()`` on one Decoder
+at once crashed the process (segmentation fault, nvjpeg "execution failed"). Separate Decoders on one
+device decode at the same time safely, and two of them decode more images per second than one
+(docs/design.md, "Decoder engines"). So a reader thread leases a Decoder from its device's pool for each
+call; everything else (parsing headers, allocating outputs, post-processing, the CPU fallback) runs in
+the reader threads in parallel. ``decode()`` releases the GIL, so the other threads keep working while
+one decodes.
 
 Outputs are decoded straight into torch-allocated memory on the calling thread's stream: the batch
 tensor is allocated first, each slice is wrapped with ``nvimgcodec.as_image`` on that same stream (a
 different stream would make nvImageCodec synchronize the host), and passed as ``images=``.
 
-The process-wide state (Decoders, device locks, allocation streams, region verdicts) is one
+The process-wide state (Decoder pools, allocation streams, region verdicts) is one
 :class:`DecoderRegistry`. A batch goes through phases that each return what the next one takes:
-parse and classify, allocate, decode under the lock, retry failed regions whole, fall back to Pillow.
+parse and classify, allocate, decode on leased Decoders, retry failed regions whole, fall back to Pillow.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from types import ModuleType
@@ -35,11 +38,14 @@ from .pillow import decode_rgb
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_GPU_DECODERS",
+    "HARDWARE_SHARE",
     "REGION_BACKEND",
     "REGION_DECODE_ENV",
     "SHARED",
     "DecoderRegistry",
     "NvImageCodecDecoder",
+    "check_gpu_decoders",
     "import_nvimgcodec",
     "new_nvimgcodec_decoder",
 ]
@@ -51,10 +57,19 @@ BACKENDS = {
     "cuda": ("GPU_ONLY",),  # CUDA kernels
     "hybrid": ("HYBRID_CPU_GPU",),  # Huffman on the CPU, the rest on the GPU
     "cpu": ("CPU_ONLY",),
+    # the JPEG engine takes a share of each batch and the CUDA and hybrid decoders the rest, at once
+    "split": ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU"),
 }
 
-#: The backend that decodes regions under ``backend="auto"``: with nvImageCodec 0.9.0 the only one
-#: faster on regions than on whole images (docs/benchmarks.md has the measurements).
+#: Share of each batch the JPEG engine takes under ``backend="split"``: DALI's ``hw_decoder_load`` default.
+HARDWARE_SHARE = 0.65
+
+#: Decoders per device and configuration that reader threads decode on at once, by default: the count
+#: measured fastest on an H200 (docs/design.md, "Decoder engines"). More Decoders cost device memory.
+DEFAULT_GPU_DECODERS = 2
+
+#: The backend that decodes regions under ``backend="auto"`` and ``"split"``: with nvImageCodec 0.9.0 the
+#: only one faster on regions than on whole images (docs/benchmarks.md has the measurements).
 REGION_BACKEND = "hybrid"
 
 #: Fewest regions in a decoder call for its failures to turn region decoding off (see _regions_failed).
@@ -88,38 +103,85 @@ def new_nvimgcodec_decoder(device_index: int, backend: str, cpu_threads: int) ->
     nvimgcodec = import_nvimgcodec()
     kinds = BACKENDS[backend]
     backends = None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, k)) for k in kinds]
+    if backends and backend == "split":  # the first backend's load hint is its share; the rest: the others
+        backends[0] = nvimgcodec.Backend(
+            nvimgcodec.HW_GPU_ONLY, load_hint=HARDWARE_SHARE, load_hint_policy=nvimgcodec.LoadHintPolicy.FIXED
+        )
     with torch.cuda.device(device_index):
         return nvimgcodec.Decoder(device_id=device_index, max_num_cpu_threads=cpu_threads, backends=backends)
 
 
-class DecoderRegistry:
-    """Process-wide nvImageCodec state: Decoders, device locks, allocation streams, region verdicts.
+def check_gpu_decoders(count: object) -> None:
+    """Raises for a ``gpu_decoders`` that is not a positive int."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"gpu_decoders must be an int of at least 1, got {count!r}")
 
-    One lock per device, shared by every Decoder on it: no two calls into nvImageCodec on one device
-    run at once, whichever loader or service makes them. So the library uses one registry,
-    :data:`SHARED`; another (with its own locks) is for tests, which pass it to
+
+class DecoderRegistry:
+    """Process-wide nvImageCodec state: Decoder pools, allocation streams, region verdicts.
+
+    Decoders are leased: a thread holds one for a call and returns it, so no two calls into one Decoder
+    run at once, whichever loader or service makes them, while different Decoders decode in parallel.
+    A pool makes Decoders only when every one it has is busy, up to the limit its caller gives: a single
+    reader thread never costs the memory of a second Decoder. The library uses one registry,
+    :data:`SHARED`; another (with its own pools) is for tests, which pass it to
     :class:`NvImageCodecDecoder` to decode with Decoders of their own making.
 
     Args:
-        new_decoder: Makes the Decoder for ``(device index, backend, CPU threads)``, once per key.
+        new_decoder: Makes a Decoder for ``(device index, backend, CPU threads)``.
     """
 
     def __init__(self, new_decoder: Callable[[int, str, int], Any] = new_nvimgcodec_decoder) -> None:
         self._new_decoder = new_decoder
         self._lock = threading.Lock()
-        self._device_locks: dict[int, threading.Lock] = {}
-        self._decoders: dict[DecoderKey, Any] = {}
+        self._returned = threading.Condition(self._lock)
+        self._idle: dict[DecoderKey, list[Any]] = {}
+        self._made: dict[DecoderKey, int] = {}
         self._region_verdicts: dict[DecoderKey, bool] = {}
         self._allocation_streams: dict[int, torch.cuda.Stream] = {}
 
-    def decoder(self, key: DecoderKey) -> tuple[Any, threading.Lock]:
-        """The Decoder for ``key``, made on first use, and its device's lock."""
+    def acquire(self, key: DecoderKey, limit: int) -> Any:
+        """A Decoder for ``key`` that no other thread calls until :meth:`release`.
+
+        An idle one if there is one; else a new one while fewer than ``limit`` exist for ``key``; else
+        waits for one to be released (every holder releases it when its call returns).
+        """
+        if limit < 1:
+            raise ValueError(f"a Decoder pool needs a limit of at least 1, got {limit}")
+        with self._returned:
+            idle = self._idle.setdefault(key, [])
+            while not idle and self._made.get(key, 0) >= limit:
+                self._returned.wait()
+            if idle:
+                return idle.pop()  # the most recently used: others stay idle, and unmade under light load
+            self._made[key] = self._made.get(key, 0) + 1
+        try:
+            return self._new_decoder(*key)  # outside the lock: making one takes a while
+        except BaseException:
+            with self._returned:
+                self._made[key] -= 1
+                self._returned.notify()
+            raise
+
+    def release(self, key: DecoderKey, decoder: Any) -> None:
+        """Returns a Decoder from :meth:`acquire` to its pool."""
+        with self._returned:
+            self._idle[key].append(decoder)
+            self._returned.notify()
+
+    @contextmanager
+    def lease(self, key: DecoderKey, limit: int) -> Iterator[Any]:
+        """:meth:`acquire` and :meth:`release` around a block."""
+        decoder = self.acquire(key, limit)
+        try:
+            yield decoder
+        finally:
+            self.release(key, decoder)
+
+    def made(self, key: DecoderKey) -> int:
+        """How many Decoders exist for ``key``."""
         with self._lock:
-            lock = self._device_locks.setdefault(key[0], threading.Lock())
-            decoder = self._decoders.get(key)
-            if decoder is None:
-                decoder = self._decoders[key] = self._new_decoder(*key)
-        return decoder, lock
+            return self._made.get(key, 0)
 
     def regions_work(self, key: DecoderKey, check: Callable[[], bool]) -> bool:
         """Whether region decoding works for ``key``: the verdict, or ``check()``'s on first asking.
@@ -199,8 +261,10 @@ class NvImageCodecDecoder(ImageDecoder):
         max_pixels: Images whose header declares more pixels are errors, decoded by nobody.
         region_decode: Decode the region a random crop asks for instead of the whole image (where the
             device passes the region check).
-        registry: Where Decoders, locks and region verdicts come from: the process's, unless a test
-            brings its own.
+        gpu_decoders: Most Decoders of this configuration that decode at once on the device; each is
+            called by one thread at a time.
+        registry: Where Decoders and region verdicts come from: the process's, unless a test brings
+            its own.
     """
 
     def __init__(
@@ -211,19 +275,23 @@ class NvImageCodecDecoder(ImageDecoder):
         cpu_threads: int,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         region_decode: bool = True,
+        gpu_decoders: int = DEFAULT_GPU_DECODERS,
         registry: DecoderRegistry = SHARED,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"NvImageCodecDecoder needs an indexed CUDA device, got {device}")
+        check_gpu_decoders(gpu_decoders)
         self._nvimgcodec = import_nvimgcodec()
         self.device = device
         self._max_pixels = max_pixels
         self._region_decode = region_decode
         self._registry = registry
-        self._decoder, self._lock = registry.decoder((device.index, backend, cpu_threads))
-        self._region_key = (device.index, REGION_BACKEND if backend == "auto" else backend, cpu_threads)
+        self._gpu_decoders = gpu_decoders
+        self._key = (device.index, backend, cpu_threads)
+        region_backend = REGION_BACKEND if backend in ("auto", "split") else backend
+        self._region_key = (device.index, region_backend, cpu_threads)
         nv = self._nvimgcodec
         self._params = nv.DecodeParams(
             apply_exif_orientation=True, color_spec=nv.SRGB, sample_format=nv.I_RGB
@@ -245,21 +313,15 @@ class NvImageCodecDecoder(ImageDecoder):
         """
         if stream is None:
             raise ValueError("NvImageCodecDecoder.decode needs the calling thread's CUDA stream")
-        region_decoder = self._region_decoder() if region_of is not None else None
+        regions = region_of is not None and self._regions_work()
         with torch.cuda.stream(stream):
-            return self._decode_on(
-                stream, encoded, stats, region_of if region_decoder else None, region_decoder
-            )
+            return self._decode_on(stream, encoded, stats, region_of if regions else None)
 
-    def _region_decoder(self) -> Any:
-        """The Decoder for regions, or ``None`` where region decoding is off or failed its check."""
-        if not self._region_decode:
-            return None
-        decoder, _ = self._registry.decoder(self._region_key)
-        works = self._registry.regions_work(self._region_key, lambda: self._check_regions(decoder))
-        return decoder if works else None
+    def _regions_work(self) -> bool:
+        """Whether to decode regions: region decoding is on, and passed its check on this device."""
+        return self._region_decode and self._registry.regions_work(self._region_key, self._check_regions)
 
-    def _check_regions(self, decoder: Any) -> bool:
+    def _check_regions(self) -> bool:
         """Decodes a region of a bundled photo and compares it with the same crop of the whole image.
 
         Once per device and backend, before the first region: a GPU where region decoding gives wrong
@@ -269,7 +331,10 @@ class NvImageCodecDecoder(ImageDecoder):
         data = (resources.files("threadloader") / "_sample" / "astronaut.jpg").read_bytes()
         top, left, height, width = 37, 51, 101, 143
         try:
-            with self._lock, torch.cuda.device(self.device):
+            with (
+                self._registry.lease(self._region_key, self._gpu_decoders) as decoder,
+                torch.cuda.device(self.device),
+            ):
                 whole = decoder.decode(nv.CodeStream(data), params=self._params)
                 part = decoder.decode(
                     nv.CodeStream(data).get_sub_code_stream(
@@ -300,7 +365,6 @@ class NvImageCodecDecoder(ImageDecoder):
         encoded: Sequence[Encoded],
         stats: StatsRecorder,
         region_of: RegionOf | None,
-        region_decoder: Any,
     ) -> DecodedBatch:
         """The phases: parse and classify, allocate, decode under the lock, retry regions, fall back."""
         nv = self._nvimgcodec
@@ -313,12 +377,12 @@ class NvImageCodecDecoder(ImageDecoder):
             wrapped = nv.as_images([_DeviceBuffer(outputs.slots[p]) for p in positions], cuda_stream=handle)
 
         calls = [
-            (decoder, [p for p in positions if (p in parsed.regions) == is_region])
-            for decoder, is_region in ((self._decoder, False), (region_decoder, True))
+            (key, [p for p in positions if (p in parsed.regions) == is_region])
+            for key, is_region in ((self._key, False), (self._region_key, True))
         ]
         wrapped_of = dict(zip(positions, wrapped, strict=True))
-        decoded = self._decode_locked(
-            [(decoder, chosen, [wrapped_of[p] for p in chosen]) for decoder, chosen in calls if chosen],
+        decoded = self._decode_leased(
+            [(key, chosen, [wrapped_of[p] for p in chosen]) for key, chosen in calls if chosen],
             parsed.code_streams,
             outputs.slots,
             handle,
@@ -402,25 +466,24 @@ class NvImageCodecDecoder(ImageDecoder):
             parsed.code_streams[position] = code_stream
         return parsed
 
-    def _decode_locked(
+    def _decode_leased(
         self,
-        calls: list[tuple[Any, list[int], list[Any]]],
+        calls: list[tuple[DecoderKey, list[int], list[Any]]],
         code_streams: dict[int, Any],
         slots: dict[int, torch.Tensor],
         handle: int,
         stats: StatsRecorder,
     ) -> _Decoded:
-        """Calls Decoders (each with its positions and outputs) with the device's lock held.
+        """Calls a leased Decoder of each configuration with its positions and outputs.
 
-        A sample a Decoder gives up on gets ``None`` and a reason, for Pillow.
+        A sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting
+        for a free Decoder is the ``decode_lock`` stage.
         """
         decoded = _Decoded()
-        if not calls:
-            return decoded
-        with stats.timed("decode_lock"):
-            self._lock.acquire()
-        try:
-            for decoder, positions, outputs in calls:
+        for key, positions, outputs in calls:
+            with stats.timed("decode_lock"):
+                decoder = self._registry.acquire(key, self._gpu_decoders)
+            try:
                 try:
                     with stats.timed("decode"):
                         results = decoder.decode(
@@ -437,8 +500,8 @@ class NvImageCodecDecoder(ImageDecoder):
                     if pixels is None:
                         decoded.reasons.setdefault(position, "nvImageCodec returned no image")
                     decoded.images[position] = pixels
-        finally:
-            self._lock.release()
+            finally:
+                self._registry.release(key, decoder)
         return decoded
 
     def _retry_regions(
@@ -452,8 +515,8 @@ class NvImageCodecDecoder(ImageDecoder):
         whole_slots = self._flat_slots({p: wholes[p][1] for p in failed})
         nv = self._nvimgcodec
         retry = nv.as_images([_DeviceBuffer(whole_slots[p]) for p in failed], cuda_stream=handle)
-        decoded = self._decode_locked(
-            [(self._decoder, failed, retry)],
+        decoded = self._decode_leased(
+            [(self._key, failed, retry)],
             {p: wholes[p][0] for p in failed},
             whole_slots,
             handle,

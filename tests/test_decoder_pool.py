@@ -1,0 +1,140 @@
+"""The Decoder pool: one thread per Decoder at a time, no more Decoders than asked, none lost.
+
+Runs on the CPU with stand-in Decoders: the pool is plain Python, and nvImageCodec crashes when two
+threads call one Decoder at once, so the rule is checked where a breach is visible without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from threadloader import BatchDecoder, ThreadLoader
+from threadloader.decode.nvimgcodec import DecoderRegistry
+
+KEY = (0, "auto", 2)
+
+
+class _Recorder:
+    """Makes stand-in Decoders and sees whether two threads ever held one at once."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.overlaps = 0
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+
+    def new(self, *_key: object) -> int:
+        with self._lock:
+            self.made += 1
+            return self.made
+
+    def hold(self, decoder: int) -> None:
+        with self._lock:
+            self.overlaps += decoder in self._held
+            self._held.add(decoder)
+
+    def drop(self, decoder: int) -> None:
+        with self._lock:
+            self._held.discard(decoder)
+
+
+def _hammer(registry: DecoderRegistry, recorder: _Recorder, *, threads: int, limit: int, calls: int) -> None:
+    start = threading.Barrier(threads)
+
+    def work() -> None:
+        start.wait()
+        for _ in range(calls):
+            with registry.lease(KEY, limit) as decoder:
+                recorder.hold(decoder)
+                threading.Event().wait(0.0005)  # a call's duration, so leases overlap
+                recorder.drop(decoder)
+
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in pool)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_no_decoder_is_held_by_two_threads_and_no_more_are_made_than_the_limit(limit: int) -> None:
+    recorder = _Recorder()
+    registry = DecoderRegistry(recorder.new)
+    _hammer(registry, recorder, threads=8, limit=limit, calls=40)
+    assert recorder.overlaps == 0
+    assert 1 <= recorder.made <= limit
+    assert registry.made(KEY) == recorder.made
+
+
+def test_one_thread_makes_one_decoder_whatever_the_limit() -> None:
+    recorder = _Recorder()
+    registry = DecoderRegistry(recorder.new)
+    for _ in range(20):
+        with registry.lease(KEY, 4):
+            pass
+    assert recorder.made == 1
+
+
+def test_a_thread_waits_for_a_busy_decoder_and_gets_it_when_released() -> None:
+    registry = DecoderRegistry(_Recorder().new)
+    held = registry.acquire(KEY, 1)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(registry.acquire(KEY, 1)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # the limit is reached: it waits, it does not make another
+    registry.release(KEY, held)
+    waiter.join(10)
+    assert got == [held]
+
+
+def test_a_decoder_that_fails_to_be_made_leaves_its_place_free() -> None:
+    attempts = []
+
+    def flaky(*_key: object) -> str:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("no memory for nvjpeg buffers")
+        return "decoder"
+
+    registry = DecoderRegistry(flaky)
+    with pytest.raises(RuntimeError, match="nvjpeg"):
+        registry.acquire(KEY, 1)
+    assert registry.made(KEY) == 0
+    assert registry.acquire(KEY, 1) == "decoder"  # with limit 1: the failed one took no place
+
+
+def test_pools_of_different_configurations_are_apart() -> None:
+    recorder = _Recorder()
+    registry = DecoderRegistry(recorder.new)
+    first = registry.acquire(KEY, 1)
+    other = registry.acquire((0, "hybrid", 2), 1)  # does not wait for KEY's only Decoder
+    assert first != other and recorder.made == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_gpu_decoders_are_refused_on_any_device(bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"gpu_decoders must be an int of at least 1, got {bad!r}"):
+        ThreadLoader([b"x"], batch_size=1, device="cpu", gpu_decoders=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gpu_decoders"):
+        BatchDecoder(device="cpu", gpu_decoders=bad)  # type: ignore[arg-type]
+
+
+def test_gpu_decoders_beside_a_decoder_of_ones_own_is_refused() -> None:
+    from threadloader.decode.pillow import PillowDecoder
+
+    with pytest.raises(ValueError, match="gpu_decoders configure the built-in decoder"):
+        ThreadLoader([b"x"], batch_size=1, decoder=PillowDecoder(), gpu_decoders=2)
+
+
+def test_gpu_decoders_is_ignored_on_the_cpu() -> None:
+    from .conftest import encode, photo
+
+    samples = [(encode(photo(20, 30, seed=i)), i) for i in range(4)]
+    with ThreadLoader(samples, batch_size=2, device="cpu", gpu_decoders=3) as loader:
+        assert sum(len(targets) for _, targets in loader) == 4
+    assert torch.device(loader.device).type == "cpu"
