@@ -21,7 +21,7 @@ from ._handoff import ReaderStream, Ready
 from ._output import OutputFormat
 from ._regions import Region
 from ._seeding import sample_generator
-from ._sources import Fetched, Source, fetch_batch, origin_of, read_batch
+from ._sources import Blob, Fetched, Source, fetch_batch, origin_of, read_batch
 from ._stats import StatsRecorder
 from .decode.base import DecodedBatch, Encoded, ImageDecoder
 from .errors import SampleError
@@ -213,7 +213,7 @@ class _Group:
     #: Per batch, how many of its samples were read (its decoder positions are consecutive).
     sizes: list[int] = field(default_factory=list)
 
-    def add(self, fetched: list[Fetched | SampleError], blobs: list[Encoded | SampleError]) -> None:
+    def add(self, fetched: list[Fetched | SampleError], blobs: list[Blob | SampleError]) -> None:
         """Adds one batch: its samples as fetched, and what reading each gave."""
         samples: list[int | SampleError] = []
         start = len(self.blobs)

@@ -116,10 +116,10 @@ def _url_options(cls: Any, url: str) -> Hashable | None:
 def _frozen(value: Any) -> Hashable | None:
     """``value`` as a key equal only to an equal value of the same types; ``None`` if it has none."""
     if isinstance(value, dict):
-        items = [(key, _frozen(item)) for key, item in value.items()]
-        if any(item is None or not isinstance(key, str) for key, item in items):
+        frozen = {key: _frozen(item) for key, item in value.items()}
+        if any(item is None or not isinstance(key, str) for key, item in frozen.items()):
             return None
-        return (dict, tuple(sorted(items)))
+        return (dict, tuple(sorted(frozen.items(), key=lambda pair: pair[0])))
     if isinstance(value, (list, tuple)):
         items = [_frozen(item) for item in value]
         return None if any(item is None for item in items) else (type(value), tuple(items))

@@ -27,6 +27,7 @@ from .errors import SampleError
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "Blob",
     "Deferred",
     "Fetched",
     "ImageFolder",
@@ -81,6 +82,7 @@ class RemoteFile(Deferred):
 
 
 Encoded: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview | Deferred"
+Blob: TypeAlias = "bytes | bytearray | memoryview"  # what reading gives: the decoder's input
 #: Non-blocking: opening a FIFO for reading would otherwise wait for a writer, forever. Reads of a regular
 #: file ignore the flag.
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
@@ -310,7 +312,7 @@ def fetch_batch(source: Source, indices: Sequence[int]) -> list[Fetched | Sample
     return fetched
 
 
-def read_batch(fetched: list[Fetched | SampleError]) -> list[Encoded | SampleError]:
+def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]:
     """Reads the encoded bytes of each sample: a path's file, a :class:`Deferred`'s bytes.
 
     Only regular files are read: a FIFO would block the reader forever, a device might never end.
@@ -323,7 +325,7 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Encoded | SampleErr
     Raises:
         ImportError: If a sample is a URL and fsspec is not installed (a set-up error, not the sample's).
     """
-    blobs: list[Encoded | SampleError] = []
+    blobs: list[Blob | SampleError] = []
     for sample in fetched:
         if isinstance(sample, SampleError):
             blobs.append(sample)
@@ -332,7 +334,7 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Encoded | SampleErr
         index, data, _ = sample
         kind = _kind(type(data))
         if kind == _BYTES:
-            blobs.append(data)
+            blobs.append(data)  # type: ignore[arg-type]
         elif kind == _PATH:
             blobs.append(_read_file(index, data))  # type: ignore[arg-type]
         else:
