@@ -90,3 +90,18 @@ def test_training_timeline_writes_a_trace(tmp_path: Path) -> None:
     trace = json.loads((out / "timeline-eager-resize-high.json").read_text())
     assert any(e.get("cat") == "cpu_op" for e in trace["traceEvents"])
     assert (out / "timeline-eager-resize-high.md").read_text().startswith("GPU timeline")
+
+
+def test_reader_cost_reports_each_stage_per_source(tmp_path: Path) -> None:
+    pytest.importorskip("fsspec", reason="the memory:// row needs fsspec")
+    out = tmp_path / "reader.json"
+    args = ["--count", "64", "--epochs", "1", "--repeats", "1", "--batch-size", "16", "--out", str(out)]
+    result = run_benchmark("benchmarks.reader_cost", args, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"folder", "tar", "memory"}
+    for row in rows.values():
+        assert row["fetch"] > 0 and row["read"] > 0 and row["split"] > 0, row
+        stages = ("fetch", "read", "decode", "split", "other")
+        assert row["total"] == pytest.approx(sum(row[stage] for stage in stages))
+    assert "| tar |" in result.stdout

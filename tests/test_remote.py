@@ -272,3 +272,81 @@ def test_without_fsspec_the_error_names_the_extra(no_fsspec: None) -> None:
     with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
         next(iter(loader))
     loader.close()
+
+
+# ---------------------------------------------------------------------------------- resolved filesystems
+
+
+class _HostFileSystem(pytest.importorskip("fsspec.implementations.memory").MemoryFileSystem):  # type: ignore[misc]
+    """A memory file system whose URLs carry a host (``tlhost://HOST/path``), as sftp's or ftp's do."""
+
+    protocol = "tlhost"
+
+    @staticmethod
+    def _get_kwargs_from_urls(path: str) -> dict[str, str]:
+        return {"host": path.split("://", 1)[1].split("/", 1)[0]}
+
+
+@pytest.fixture
+def host_protocol() -> Iterator[str]:
+    fsspec.register_implementation("tlhost", _HostFileSystem, clobber=True)
+    yield "tlhost"
+    sys.modules["fsspec.registry"]._registry.pop("tlhost", None)
+
+
+def test_filesystems_are_fsspecs_own_for_each_url_and_options(host_protocol: str) -> None:
+    from threadloader._remote import filesystem
+
+    cases = [
+        ("memory://a/x.jpg", None),
+        ("memory://b/y.jpg", {}),
+        ("memory://a/x.jpg", {"token": "one"}),
+        ("memory://a/x.jpg", {"token": "two"}),
+        ("memory://a/x.jpg", {"token": "one", "client_kwargs": {"region": "eu"}}),
+        ("memory://a/x.jpg", {"token": "one", "client_kwargs": {"region": "us"}}),
+        ("memory://a/x.jpg", {"timeout": 1}),
+        ("memory://a/x.jpg", {"timeout": "1"}),
+        ("memory://a/x.jpg", {"anon": True}),
+        ("memory://a/x.jpg", {"anon": 1}),
+        ("tlhost://h1/x.jpg", None),
+        ("tlhost://h2/x.jpg", None),
+    ]
+    for _ in range(2):  # the second round from this thread's cache
+        for url, options in cases:
+            expected_fs, expected_path = fsspec.core.url_to_fs(url, **(options or {}))
+            fs, path = filesystem(url, options)
+            assert fs is expected_fs and path == expected_path, (url, options)
+    assert len({id(filesystem(url, options)[0]) for url, options in cases}) == 11  # None and {}: the same
+
+    seen: list[object] = []  # another thread: its own, as fsspec gives it
+    thread = threading.Thread(
+        target=lambda: seen.extend(
+            [filesystem("memory://a/x.jpg")[0], fsspec.core.url_to_fs("memory://a/x.jpg")[0]]
+        )
+    )
+    thread.start()
+    thread.join()
+    assert seen[0] is seen[1] and seen[0] is not filesystem("memory://a/x.jpg")[0]
+
+
+def test_a_thread_resolves_a_filesystem_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from threadloader._remote import filesystem
+
+    calls: list[str] = []
+    resolve = fsspec.core.url_to_fs
+
+    def counting(url: str, **options: object) -> object:
+        calls.append(url)
+        return resolve(url, **options)
+
+    def work() -> None:
+        paths = [filesystem(f"memory://once/{i}.jpg")[1] for i in range(5)]
+        assert paths == [f"/once/{i}.jpg" for i in range(5)]
+        filesystem("memory://once/0.jpg", {"token": "t"})
+        filesystem("simplecache::memory://once/0.jpg")  # chained: resolved every time
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", counting)
+    thread = threading.Thread(target=work)  # a fresh thread: nothing resolved yet
+    thread.start()
+    thread.join()
+    assert calls == ["memory://once/0.jpg", "memory://once/0.jpg", "simplecache::memory://once/0.jpg"]

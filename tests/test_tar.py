@@ -6,22 +6,27 @@ checked against Pillow's decode of the same member bytes, targets against what w
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import json
 import logging
 import os
 import pickle
 import tarfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import threadloader._tar
 from threadloader import SampleError, ShardError, TarMember, TarShards, ThreadLoader
 from threadloader._tar import expand_braces
 
-from .conftest import encode, photo, pil_reference
+from .conftest import encode, photo, pil_reference, reader_threads, wait_for_no_reader_threads
 
 H, W = 16, 24
 PER_SHARD = 6
@@ -428,3 +433,98 @@ def test_members_are_read_concurrently(tmp_path: Path) -> None:
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda i: source[i % 64].read(), range(64 * 20)))
     assert got == [payloads[i % 64] for i in range(64 * 20)]
+
+
+# ------------------------------------------------------------------------------------------- open files
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+
+
+def open_files(path: Path) -> int:
+    """Descriptors of this process open on ``path``, as the kernel lists them."""
+    target, count = str(path.resolve()), 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since the listing
+            count += os.readlink(f"/proc/self/fd/{fd}") == target
+    return count
+
+
+def in_thread(work: Callable[[], None]) -> None:
+    """Runs ``work`` in a new thread to its end, re-raising what it raised."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+
+
+@needs_proc
+def test_a_thread_opens_each_shard_once_and_its_end_closes_them(shards: Path, blobs: list[bytes]) -> None:
+    source = TarShards(pattern(shards))
+    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
+    seen: list[list[int]] = []
+
+    def read_all() -> None:
+        for i in range(N):
+            assert source[i][0].read() == blobs[i]
+            seen.append([open_files(path) for path in paths])
+
+    in_thread(read_all)
+    # One descriptor per shard read so far, kept while the thread reads on.
+    assert seen[PER_SHARD - 1] == [1, 0, 0] and seen[-1] == [1, 1, 1]
+    assert [open_files(path) for path in paths] == [0, 0, 0]
+
+
+@needs_proc
+def test_dropping_the_source_closes_its_files(shards: Path, blobs: list[bytes]) -> None:
+    source = TarShards(pattern(shards))
+    assert source[0][0].read() == blobs[0] and source[N - 1][0].read() == blobs[N - 1]
+    first, last = shards / "000000.tar", shards / f"{SHARDS - 1:06d}.tar"
+    assert (open_files(first), open_files(last)) == (1, 1)  # this thread's, as long as the source lives
+    del source
+    gc.collect()
+    assert (open_files(first), open_files(last)) == (0, 0)
+
+
+@needs_proc
+def test_a_thread_keeps_at_most_max_open_shards(
+    shards: Path, blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(threadloader._tar, "MAX_OPEN_SHARDS", 2)
+    source = TarShards(pattern(shards))
+    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
+    order = [s * PER_SHARD + k for k in range(PER_SHARD) for s in (0, 1, 2, 0, 2, 1)]  # shards in turn
+
+    def read_in_turn() -> None:
+        for i in order:
+            assert source[i][0].read() == blobs[i]
+            assert sum(open_files(path) for path in paths) <= 2
+
+    in_thread(read_in_turn)
+    assert [open_files(path) for path in paths] == [0, 0, 0]
+
+
+@needs_proc
+def test_the_loaders_readers_close_their_files_when_it_closes(shards: Path, blobs: list[bytes]) -> None:
+    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
+    loader = ThreadLoader(pattern(shards), batch_size=1, num_threads=2)  # 18 tasks: readers wait, alive
+    epoch = iter(loader)
+    images, targets = next(epoch)
+    check_pixels(images, blobs, targets.tolist())
+    assert 1 <= sum(open_files(path) for path in paths) <= 2 * SHARDS  # at most one per thread and shard
+    loader.close()
+    for thread in reader_threads():  # close() waits a bounded time; the files close as the threads end
+        thread.join(10)
+    assert [open_files(path) for path in paths] == [0, 0, 0]
+    for images, targets in ThreadLoader(pattern(shards), batch_size=4, num_threads=2):  # a whole pass
+        check_pixels(images, blobs, targets.tolist())
+    assert wait_for_no_reader_threads(10) == []
+    assert [open_files(path) for path in paths] == [0, 0, 0]

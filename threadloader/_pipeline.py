@@ -21,7 +21,7 @@ from ._handoff import ReaderStream, Ready
 from ._output import OutputFormat
 from ._regions import Region
 from ._seeding import sample_generator
-from ._sources import SampleRef, Source, fetch, read_bytes
+from ._sources import Blob, Fetched, Source, fetch_batch, origin_of, read_batch
 from ._stats import StatsRecorder
 from .decode.base import DecodedBatch, Encoded, ImageDecoder
 from .errors import SampleError
@@ -113,25 +113,15 @@ class BatchProducer:
     def _read(self, batches: Sequence[Sequence[int]]) -> _Group:
         """Fetches and reads every sample of a group; a sample that fails keeps its place as its error."""
         group = _Group()
-        fetching = reading = 0.0  # summed here and recorded once: a timer per sample costs more than a read
+        fetching = reading = 0.0  # timed per batch: a timer per sample costs about as much as a fetch
         for indices in batches:
-            samples: list[int | SampleError] = []
-            for index in indices:
-                check_cancelled()  # a slow source makes a long batch: stop between samples
-                started = time.perf_counter()
-                try:
-                    ref = fetch(self._source, index)
-                    fetched = time.perf_counter()
-                    fetching += fetched - started
-                    blob = read_bytes(ref)
-                    reading += time.perf_counter() - fetched
-                except SampleError as error:
-                    samples.append(error)
-                    continue
-                samples.append(len(group.refs))
-                group.refs.append(ref)
-                group.blobs.append(blob)
-            group.batches.append(samples)
+            started = time.perf_counter()
+            fetched = fetch_batch(self._source, indices)
+            middle = time.perf_counter()
+            blobs = read_batch(fetched)
+            reading += time.perf_counter() - middle
+            fetching += middle - started
+            group.add(fetched, blobs)
         self._stats.add_time("fetch", fetching)
         self._stats.add_time("read", reading)
         return group
@@ -163,9 +153,9 @@ class BatchProducer:
         )
         outcomes: list[Outcome] = []
         first = 0
-        for samples, failed in zip(group.batches, errors, strict=True):
+        for size, failed in zip(group.sizes, errors, strict=True):
             check_cancelled()
-            last = first + sum(not isinstance(sample, SampleError) for sample in samples)
+            last = first + size
             self._stats.count("errors", len(failed))
             if failed and self._on_error == "raise":
                 outcomes.append(failed[0])
@@ -185,8 +175,8 @@ class BatchProducer:
                 outcomes.append(
                     Batch(
                         images=images,
-                        targets=collate_targets([group.refs[p].target for p in kept]),
-                        indices=[group.refs[p].index for p in kept],
+                        targets=collate_targets([group.refs[p][2] for p in kept]),
+                        indices=[group.refs[p][0] for p in kept],
                         ready=reader.seal(images if isinstance(images, list) else [images]),
                     )
                 )
@@ -216,10 +206,26 @@ class BatchProducer:
 class _Group:
     """A group's samples as read: the decoder's input, and each batch's samples in their order."""
 
-    refs: list[SampleRef] = field(default_factory=list)  # the samples read, by decoder position
+    refs: list[Fetched] = field(default_factory=list)  # the samples read, by decoder position
     blobs: list[Encoded] = field(default_factory=list)
     #: Per batch, each sample's decoder position, or the error that kept it from being read.
     batches: list[list[int | SampleError]] = field(default_factory=list)
+    #: Per batch, how many of its samples were read (its decoder positions are consecutive).
+    sizes: list[int] = field(default_factory=list)
+
+    def add(self, fetched: list[Fetched | SampleError], blobs: list[Blob | SampleError]) -> None:
+        """Adds one batch: its samples as fetched, and what reading each gave."""
+        samples: list[int | SampleError] = []
+        start = len(self.blobs)
+        for sample, blob in zip(fetched, blobs, strict=True):
+            if isinstance(blob, SampleError):
+                samples.append(blob)
+            else:
+                samples.append(len(self.blobs))
+                self.refs.append(sample)  # type: ignore[arg-type]
+                self.blobs.append(blob)
+        self.batches.append(samples)
+        self.sizes.append(len(self.blobs) - start)
 
     def errors(self, decoded: DecodedBatch | None) -> list[list[SampleError]]:
         """Each batch's errors in its samples' order, those of reading and those of decoding."""
@@ -229,8 +235,8 @@ class _Group:
                 sample
                 if isinstance(sample, SampleError)
                 else SampleError(
-                    index=self.refs[sample].index,
-                    origin=self.refs[sample].origin,
+                    index=self.refs[sample][0],
+                    origin=origin_of(self.refs[sample][1]),
                     stage="decode",
                     reason=failed[sample],
                 )
@@ -249,7 +255,7 @@ class _Plans:
     parameters on every path (GPU region, GPU whole, CPU) and thread count.
     """
 
-    def __init__(self, transform: Transform, seed: int, epoch: int, refs: list[SampleRef]) -> None:
+    def __init__(self, transform: Transform, seed: int, epoch: int, refs: list[Fetched]) -> None:
         self._transform = transform
         self.random = transform.random
         self._seed = seed
@@ -277,7 +283,7 @@ class _Plans:
         return drawn[1] if drawn is not None and drawn[0] == size else self._draw(position, size)
 
     def _draw(self, position: int, size: tuple[int, int]) -> Any:
-        index = self._refs[position].index
+        index = self._refs[position][0]
         generator = sample_generator(self._seed, self._epoch, index) if self.random else None
         params = self._transform.sample(size, generator)
         self._drawn[position] = (size, params)

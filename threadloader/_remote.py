@@ -3,11 +3,20 @@
 fsspec is an optional dependency (``pip install 'threadloader[remote]'``), imported only when a URL
 is seen. Every read here is stateless (``cat_file`` of a whole file or of a byte range), so reader
 threads can share one filesystem object: there is no file position to race on.
+
+Resolving a URL to its filesystem (``url_to_fs``) costs more than a small read from memory, so each
+thread keeps the filesystems it resolved, keyed by everything ``url_to_fs`` builds one from: the
+protocol, the options the URL itself carries (a host, a user) and the storage options. Per thread, as
+fsspec itself keeps a filesystem without async support per thread; a forked child starts afresh, as
+fsspec's own cache does.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+from collections.abc import Hashable
 from typing import Any
 
 __all__ = ["filesystem", "is_url", "read_url", "require_fsspec"]
@@ -19,7 +28,8 @@ _CHAINED = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*::")
 
 def is_url(text: str) -> bool:
     """Whether ``text`` names a file by URL (``scheme://...`` or an fsspec chain ``a::b://...``)."""
-    return bool(_URL.match(text) or _CHAINED.match(text))
+    # The substring tests first: a local path (the common case) is then refused without a regex.
+    return ("://" in text or "::" in text) and bool(_URL.match(text) or _CHAINED.match(text))
 
 
 def require_fsspec(url: str) -> Any:
@@ -39,13 +49,28 @@ def require_fsspec(url: str) -> Any:
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """The fsspec filesystem object and the path within it for ``url``.
+    """The fsspec filesystem object and the path within it for ``url``, as ``url_to_fs`` gives them.
 
-    fsspec caches filesystem instances per protocol and options, so calling this per sample costs a
-    dictionary look-up and a parse, not a new connection.
+    A thread that resolved a filesystem for the same protocol, URL options and storage options before
+    gets that one back. Chained URLs (``a::b://``), and options that cannot be compared by value, are
+    resolved every time.
     """
-    fsspec = require_fsspec(url)
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    protocol, sep, _ = url.partition("://")
+    options = _frozen(storage_options) if storage_options else ()
+    uncached = not sep or len(protocol) < 2 or "::" in url or "protocol" in (storage_options or ())
+    if uncached or options is None:
+        return _url_to_fs(url, storage_options)
+    cache = _local
+    cls = cache.classes.get(protocol)
+    if cls is not None:
+        fs = cache.filesystems.get((protocol, _url_options(cls, url), options))
+        if fs is not None:
+            return fs, cls._strip_protocol(url)
+    fs, path = _url_to_fs(url, storage_options)
+    cls = cache.classes[protocol] = type(fs)
+    url_options = _url_options(cls, url)
+    if url_options is not None:
+        cache.filesystems[protocol, url_options, options] = fs
     return fs, path
 
 
@@ -53,3 +78,51 @@ def read_url(url: str) -> bytes:
     """The whole file at ``url``, in one stateless call (safe from any thread)."""
     fs, path = filesystem(url)
     return bytes(fs.cat_file(path))
+
+
+def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    fsspec = require_fsspec(url)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs, path
+
+
+class _Cache(threading.local):
+    """One thread's resolved filesystems, and the filesystem class of each protocol."""
+
+    def __init__(self) -> None:
+        self.classes: dict[str, Any] = {}
+        self.filesystems: dict[tuple[str, Hashable, Hashable], Any] = {}
+
+
+_local = _Cache()
+
+
+def _forget_in_child() -> None:
+    """A forked child resolves its filesystems again, as fsspec makes new instances in a new process."""
+    global _local
+    _local = _Cache()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _url_options(cls: Any, url: str) -> Hashable | None:
+    """The options the URL itself gives its filesystem (a host, a user), as a key."""
+    found = cls._get_kwargs_from_urls(url)
+    return _frozen(found) if found else ()
+
+
+def _frozen(value: Any) -> Hashable | None:
+    """``value`` as a key equal only to an equal value of the same types; ``None`` if it has none."""
+    if isinstance(value, dict):
+        frozen = {key: _frozen(item) for key, item in value.items()}
+        if any(item is None or not isinstance(key, str) for key, item in frozen.items()):
+            return None
+        return (dict, tuple(sorted(frozen.items(), key=lambda pair: pair[0])))
+    if isinstance(value, (list, tuple)):
+        items = [_frozen(item) for item in value]
+        return None if any(item is None for item in items) else (type(value), tuple(items))
+    if isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return (type(value), value)
+    return None

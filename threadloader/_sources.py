@@ -11,29 +11,32 @@ fsspec) plug in that way.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
 from torch.utils.data import IterableDataset
 
+from ._cancel import check_cancelled
 from ._remote import is_url, read_url, require_fsspec
 from .errors import SampleError
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "Blob",
     "Deferred",
+    "Fetched",
     "ImageFolder",
     "RemoteFile",
-    "SampleRef",
     "Source",
     "as_source",
-    "fetch",
-    "read_bytes",
+    "fetch_batch",
+    "origin_of",
+    "read_batch",
 ]
 
 #: File extensions an :class:`ImageFolder` picks up (the same set as torchvision's ImageFolder).
@@ -79,10 +82,11 @@ class RemoteFile(Deferred):
 
 
 Encoded: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview | Deferred"
-_ENCODED_TYPES = (str, os.PathLike, bytes, bytearray, memoryview, Deferred)
+Blob: TypeAlias = "bytes | bytearray | memoryview"  # what reading gives: the decoder's input
 #: Non-blocking: opening a FIFO for reading would otherwise wait for a writer, forever. Reads of a regular
 #: file ignore the flag.
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+_CHUNK = 1 << 20  # bytes per read past a file's stated size
 
 logger = logging.getLogger("threadloader")
 
@@ -95,22 +99,43 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
-@dataclass(frozen=True, slots=True)
-class SampleRef:
-    """One sample as the source gave it, before any I/O."""
+#: One sample as the source gave it, before any I/O: ``(index, data, target)``. A plain tuple: a reader
+#: makes one per sample, and an object with fields costs several times more to build.
+Fetched: TypeAlias = "tuple[int, Encoded, Any]"
 
-    index: int
-    data: Encoded
-    target: Any
+# What a type is, looked up once per type: isinstance against an ABC (os.PathLike, Sequence, Deferred)
+# costs more per sample than the rest of the check.
+_PATH, _BYTES, _DEFERRED, _PAIR, _OTHER = range(5)
+_KINDS: dict[type, int] = {str: _PATH, bytes: _BYTES, tuple: _PAIR, list: _PAIR}
+_MAX_KINDS = 1024  # types made on the fly would grow the table without bound: past this, not kept
 
-    @property
-    def origin(self) -> str:
-        """The path, or a short description of in-memory bytes, for error messages."""
-        if isinstance(self.data, Deferred):
-            return self.data.origin
-        if isinstance(self.data, (str, os.PathLike)):
-            return os.fspath(self.data)
-        return f"<{len(self.data)} bytes in memory>"
+
+def _kind(cls: type) -> int:
+    kind = _KINDS.get(cls)
+    if kind is not None:
+        return kind
+    if issubclass(cls, (str, os.PathLike)):
+        kind = _PATH
+    elif issubclass(cls, (bytes, bytearray, memoryview)):
+        kind = _BYTES
+    elif issubclass(cls, Deferred):
+        kind = _DEFERRED
+    elif issubclass(cls, Sequence):
+        kind = _PAIR
+    else:
+        kind = _OTHER
+    if len(_KINDS) < _MAX_KINDS:
+        _KINDS[cls] = kind
+    return kind
+
+
+def origin_of(data: Encoded) -> str:
+    """The path, or a short description of in-memory bytes, for error messages."""
+    if _kind(type(data)) == _DEFERRED:
+        return data.origin  # type: ignore[union-attr]
+    if isinstance(data, (str, os.PathLike)):
+        return os.fspath(data)
+    return f"<{len(data)} bytes in memory>"  # type: ignore[arg-type]
 
 
 class ImageFolder:
@@ -254,22 +279,109 @@ def as_source(source: object) -> Source:
     return source  # type: ignore[return-value]
 
 
-def fetch(source: Source, index: int) -> SampleRef:
-    """Calls ``source[index]`` and checks that the item is encoded data, optionally with a target.
+def fetch_batch(source: Source, indices: Sequence[int]) -> list[Fetched | SampleError]:
+    """Calls ``source[index]`` per index and checks that each item is encoded data, maybe with a target.
+
+    Stops between samples when the reader thread is cancelled.
+
+    Returns:
+        Per index, in order: the sample, or the :class:`SampleError` that ``__getitem__`` raised or that
+        says the item is not encoded image data.
+    """
+    fetched: list[Fetched | SampleError] = []
+    for index in indices:
+        check_cancelled()  # a slow source makes a long batch: stop between samples
+        try:
+            item = source[index]
+        except Exception as exc:
+            fetched.append(_error(exc, index, f"{type(source).__name__}[{index}]", "fetch"))
+            continue
+        data, target = item, None
+        kind = _kind(type(item))
+        if kind == _PAIR and len(item) == 2:
+            data = item[0]
+            kind = _kind(type(data))
+            if kind < _PAIR:
+                target = item[1]
+        if kind >= _PAIR:
+            fetched.append(_not_encoded(source, index, item))
+            continue
+        if kind == _PATH and isinstance(data, str) and is_url(data):
+            data = RemoteFile(data)  # type: ignore[arg-type]
+        fetched.append((index, data, target))
+    return fetched
+
+
+def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]:
+    """Reads the encoded bytes of each sample: a path's file, a :class:`Deferred`'s bytes.
+
+    Only regular files are read: a FIFO would block the reader forever, a device might never end.
+    Stops between samples when the reader thread is cancelled.
+
+    Returns:
+        Per sample, in order: its bytes, or its :class:`SampleError` (a fetch error, passed on, or the
+        read's: a file that cannot be read or is not a regular file, a Deferred whose read raised).
 
     Raises:
-        SampleError: If ``__getitem__`` raises or returns something that is not encoded image data.
+        ImportError: If a sample is a URL and fsspec is not installed (a set-up error, not the sample's).
     """
+    blobs: list[Blob | SampleError] = []
+    for sample in fetched:
+        if isinstance(sample, SampleError):
+            blobs.append(sample)
+            continue
+        check_cancelled()  # a slow storage makes a long batch too
+        index, data, _ = sample
+        kind = _kind(type(data))
+        if kind == _BYTES:
+            blobs.append(data)  # type: ignore[arg-type]
+        elif kind == _PATH:
+            blobs.append(_read_file(index, data))  # type: ignore[arg-type]
+        else:
+            try:
+                blobs.append(data.read())  # type: ignore[union-attr]
+            except ImportError:
+                raise
+            except Exception as exc:  # fsspec back ends raise their own types (aiohttp, botocore, ...)
+                blobs.append(_error(exc, index, data.origin, "read"))  # type: ignore[union-attr]
+    return blobs
+
+
+def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
+    """A regular file's bytes, read with as few system calls as Python allows."""
     try:
-        item = source[index]
-    except Exception as exc:
-        origin = f"{type(source).__name__}[{index}]"
-        raise SampleError.from_exception(exc, index=index, origin=origin, stage="fetch") from exc
-    if isinstance(item, _ENCODED_TYPES):
-        return SampleRef(index, _locate(item), None)
-    if isinstance(item, Sequence) and len(item) == 2 and isinstance(item[0], _ENCODED_TYPES):
-        return SampleRef(index, _locate(item[0]), item[1])
-    raise SampleError(
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            status = os.fstat(fd)
+            if stat.S_ISREG(status.st_mode):
+                # One byte past the size: a shorter read is the end of the file, as a regular file's
+                # reads only stop short there. A file that grew, or a size of 0 (some virtual file
+                # systems report that), reads on to the end.
+                data = os.read(fd, status.st_size + 1)
+                if len(data) != status.st_size:
+                    data = b"".join([data, *iter(functools.partial(os.read, fd, _CHUNK), b"")])
+                return data
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return _error(exc, index, os.fspath(path), "read")
+    return SampleError(
+        index=index,
+        origin=os.fspath(path),
+        stage="read",
+        reason=f"not a regular file ({_file_kind(status.st_mode)}): only regular files are read",
+    )
+
+
+def _error(exc: Exception, index: int, origin: str, stage: str) -> SampleError:
+    """The sample's error for ``exc``, chained to it as ``raise ... from exc`` would."""
+    error = SampleError.from_exception(exc, index=index, origin=origin, stage=stage)
+    error.__cause__ = exc
+    return error
+
+
+def _not_encoded(source: Source, index: int, item: object) -> SampleError:
+    return SampleError(
         index=index,
         origin=f"{type(source).__name__}[{index}]",
         stage="fetch",
@@ -277,43 +389,6 @@ def fetch(source: Source, index: int) -> SampleRef:
             f"expected a path, encoded bytes, or a (path | bytes, target) pair, got {_type_of(item)}; "
             "threadloader decodes by itself, so return the file path or its bytes, not a decoded image"
         ),
-    )
-
-
-def read_bytes(ref: SampleRef) -> bytes | bytearray | memoryview:
-    """Returns the encoded bytes of a sample, reading the file if it is a path.
-
-    Only regular files are read: a FIFO would block the reader forever, a device might never end.
-
-    Raises:
-        SampleError: If the file cannot be read, or is not a regular file.
-        ImportError: If the sample is a URL and fsspec is not installed (a set-up error, not the sample's).
-    """
-    if isinstance(ref.data, Deferred):
-        try:
-            return ref.data.read()
-        except ImportError:
-            raise
-        except Exception as exc:  # fsspec back ends raise their own types (aiohttp, botocore, ...)
-            raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
-    if not isinstance(ref.data, (str, os.PathLike)):
-        return ref.data
-    try:
-        fd = os.open(ref.data, _READ_FLAGS)
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode):
-                with open(fd, "rb", buffering=0, closefd=False) as f:  # unbuffered: one read
-                    return f.read()
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise SampleError.from_exception(exc, index=ref.index, origin=ref.origin, stage="read") from exc
-    raise SampleError(
-        index=ref.index,
-        origin=ref.origin,
-        stage="read",
-        reason=f"not a regular file ({_file_kind(mode)}): only regular files are read",
     )
 
 
@@ -328,11 +403,6 @@ _FILE_KINDS = (
 
 def _file_kind(mode: int) -> str:
     return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), stat.filemode(mode))
-
-
-def _locate(data: Encoded) -> Encoded:
-    """A URL string becomes a :class:`RemoteFile`, read through fsspec; anything else is kept."""
-    return RemoteFile(data) if isinstance(data, str) and is_url(data) else data
 
 
 def _type_of(item: object) -> str:

@@ -20,7 +20,9 @@ import logging
 import os
 import re
 import tarfile
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -137,7 +139,17 @@ class _Storage(Protocol):
 
 
 class _LocalStorage:
-    """Local files: ``os.pread`` on a descriptor opened for the read (no shared position to race on)."""
+    """Local files, read with ``os.pread`` (no shared position to race on) on descriptors kept open.
+
+    Each thread keeps its own descriptors (:class:`_Handles`), up to :data:`MAX_OPEN_SHARDS`, so a
+    sample is one system call, not an open, a read and a close; only that thread uses or closes them,
+    so nothing can close a descriptor another thread is reading. They are closed when the thread ends
+    (a loader's reader threads end when it closes or its pass ends) or when this storage, which the
+    :class:`TarShards` and its members hold, is collected.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
@@ -146,19 +158,46 @@ class _LocalStorage:
         return open(path, "rb")
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            chunks = []
-            while size > 0:
-                chunk = os.pread(fd, size, offset)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                offset += len(chunk)
-                size -= len(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+        handles: _Handles | None = getattr(self._local, "handles", None)
+        if handles is None:
+            handles = self._local.handles = _Handles()
+        fd = handles.fds.get(path)
+        if fd is None:
+            fd = handles.open(path)
+        data = os.pread(fd, size, offset)
+        if len(data) == size:
+            return data
+        chunks = [data]  # short: the shard ends early, or a read stopped short; read on until either is sure
+        while data and size > len(data):
+            offset, size = offset + len(data), size - len(data)
+            data = os.pread(fd, size, offset)
+            chunks.append(data)
+        return b"".join(chunks)
+
+
+#: Most shard files one thread keeps open per :class:`TarShards`; beyond it, the oldest one is closed.
+MAX_OPEN_SHARDS = 32
+
+
+class _Handles:
+    """One thread's open shard files, by path; closed when the thread ends or its storage goes away."""
+
+    __slots__ = ("__weakref__", "fds")
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self.fds)
+
+    def open(self, path: str) -> int:
+        if len(self.fds) >= MAX_OPEN_SHARDS:
+            os.close(self.fds.pop(next(iter(self.fds))))  # the one opened first
+        fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        return fd
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    while fds:
+        os.close(fds.popitem()[1])
 
 
 class _FsspecStorage:
@@ -175,9 +214,6 @@ class _FsspecStorage:
 
     def read(self, path: str, offset: int, size: int) -> bytes:
         return bytes(self._fs.cat_file(path, start=offset, end=offset + size))
-
-
-_LOCAL = _LocalStorage()
 
 
 class TarMember(Deferred):
@@ -305,9 +341,12 @@ class TarShards:
         self._images = _extensions(image)
         started = time.perf_counter()
         wanted = "cls" if target == "auto" else target
+        local = _LocalStorage()  # the shards' open files: this source's, closed when it goes away
         with ThreadPoolExecutor(max_workers=max(1, min(index_threads, len(self.shards)))) as pool:
             self._index = list(
-                pool.map(lambda url: _index_shard(url, storage_options, self._images, wanted), self.shards)
+                pool.map(
+                    lambda url: _index_shard(url, storage_options, self._images, wanted, local), self.shards
+                )
             )
         self.index_seconds = time.perf_counter() - started
         if target == "auto":
@@ -338,7 +377,7 @@ class TarShards:
             ShardError: If the sample has no image member, no target member when one is required,
                 or a target that does not parse.
         """
-        if not 0 <= index < len(self):
+        if not 0 <= index < self._starts[-1]:
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         number = bisect.bisect_right(self._starts, index) - 1
         shard, position = self._index[number], index - self._starts[number]
@@ -357,8 +396,8 @@ class TarShards:
         if self.target is None:
             return member
         raw = shard.targets[position]
-        name = f"{key}.{self.target}"
         if raw is None:
+            name = f"{key}.{self.target}"
             raise ShardError(
                 f"{shard.url}: sample {key!r} has no target member {name!r} (target={self.target!r}; "
                 "target=None loads images without targets)" + _damage_note(shard),
@@ -368,6 +407,7 @@ class TarShards:
         try:
             return member, self._parse(raw)
         except (ValueError, KeyError, TypeError) as exc:
+            name = f"{key}.{self.target}"
             raise ShardError(
                 f"{shard.url}:{name}: target does not parse: {type(exc).__name__}: {exc}",
                 shard=shard.url,
@@ -428,13 +468,17 @@ def _split_name(name: str) -> tuple[str, str] | None:
 
 
 def _index_shard(
-    url: str, storage_options: dict[str, Any] | None, images: tuple[str, ...], target: str | None
+    url: str,
+    storage_options: dict[str, Any] | None,
+    images: tuple[str, ...],
+    target: str | None,
+    local: _LocalStorage,
 ) -> _Shard:
     if is_url(url):
         fs, path = filesystem(url, storage_options)
         shard = _Shard(url, path, _FsspecStorage(fs))
     else:
-        shard = _Shard(url, url, _LOCAL)
+        shard = _Shard(url, url, local)
     try:
         size = shard.storage.size(shard.path)
         with shard.storage.open(shard.path) as f:
