@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from threadloader._seeding import sample_generator
 from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+from threadloader.transforms.functional import Images, resize, resize_many
 from threadloader.transforms.functional import normalize as normalize_
 
 if TYPE_CHECKING:
@@ -62,23 +63,45 @@ def endless_batches(n: int, batch_size: int) -> Iterator[list[int]]:
         yield [(start + j) % n for j in range(batch_size)]
 
 
-def to_batch(images: Sequence[torch.Tensor], size: Size) -> torch.Tensor:
-    """Stack CHW uint8 images to NCHW float in [0, 1], resizing (bilinear, antialiased) if needed.
+def to_batch(images: Images, size: Size, *, normalize: bool = False) -> torch.Tensor:
+    """Stack CHW ``uint8`` images into an NCHW float32 batch in [0, 1] at ``size``, as ThreadLoader does.
 
-    Shared by every GPU-decoding loader so they all pay for the same post-processing.
+    Every GPU-decoding row finishes here with the kernels of ThreadLoader's own output step, so rows
+    differ only in how they decode: images of one size are resized together (one ``interpolate``),
+    images of different sizes are resampled as one batch (``resize_many``: two batched matrix products,
+    not a chain of kernels per image), in float32 (nothing rounded to integers), then scaled and, with
+    ``normalize``, normalized with ImageNet's mean and std.
     """
-    if all(tuple(im.shape[-2:]) == size for im in images):
-        batch = torch.stack(list(images)).float()
+    if not isinstance(images, torch.Tensor) and any(im.shape != images[0].shape for im in images):
+        batch = resize_many(images, size, dtype=torch.float32)
     else:
-        batch = torch.cat(
-            [
-                torch.nn.functional.interpolate(
-                    im[None].float(), size=size, mode="bilinear", antialias=True, align_corners=False
-                )
-                for im in images
-            ]
-        )
-    return batch.div_(255)
+        stacked = images if isinstance(images, torch.Tensor) else torch.stack(list(images))
+        batch = resize(stacked.to(torch.float32, copy=True), size)
+    batch = batch.div_(255)
+    return normalize_(batch, IMAGENET_MEAN, IMAGENET_STD, inplace=True) if normalize else batch
+
+
+class Finish:
+    """What every GPU-decoding row does after decoding: the ``--augment`` steps, then :func:`to_batch`.
+
+    ``augment``: ThreadLoader's RandomResizedCrop + flip (each step once for the whole batch, as
+    ThreadLoader runs them) on the decoded images, with parameters the caller draws (``sample``), so
+    that it can also decode only each crop's region; implies ``normalize``.
+    """
+
+    def __init__(self, size: Size, *, augment: bool = False, normalize: bool = False) -> None:
+        self.size = size
+        self.augment = _augmentation(size) if augment else None
+        self.normalize = augment or normalize
+
+    def sample(self, size: Size, generator: random.Random) -> Any:
+        """One image's augmentation parameters (``None`` without augmentation)."""
+        return None if self.augment is None else self.augment.sample(size, generator)
+
+    def __call__(self, images: Images, params: Sequence[Any]) -> torch.Tensor:
+        if self.augment is not None:
+            images = self.augment.apply_many(list(images), params)
+        return to_batch(images, self.size, normalize=self.normalize)
 
 
 # --- Pillow + DataLoader -------------------------------------------------------------------------
@@ -204,16 +227,12 @@ def nv_decode(decoder: nvimgcodec.Decoder, data: Sequence[Any]) -> list[torch.Te
 class NvImgCodecCollate:
     """Decodes a batch of bytes with one lazily created Decoder per (spawned) worker process.
 
-    Lives at module level because spawn pickles it into each worker. ``augment``: the ``--augment``
-    rows' crop and flip, with threadloader's batched transforms (one resampling for the whole batch,
-    as ThreadLoader runs them), on whole decoded images; ``normalize`` (implied by ``augment``):
-    ImageNet's mean and std.
+    Lives at module level because spawn pickles it into each worker; the rest is :class:`Finish`, on
+    whole decoded images.
     """
 
     def __init__(self, *, size: Size, augment: bool = False, normalize: bool = False) -> None:
-        self.size = size
-        self.augment = _augmentation(size) if augment else None
-        self.normalize = augment or normalize
+        self.finish = Finish(size, augment=augment, normalize=normalize)
         self._random = random.Random()
         self._decoder: nvimgcodec.Decoder | None = None
 
@@ -224,14 +243,9 @@ class NvImgCodecCollate:
             self._decoder = nv.Decoder()
             self._random.seed()  # each worker its own crops, not the pickled copy's
         data, labels = zip(*samples, strict=True)
-        images: Sequence[torch.Tensor] = nv_decode(self._decoder, data)
-        if self.augment is not None:
-            params = [self.augment.sample((im.shape[-2], im.shape[-1]), self._random) for im in images]
-            images = self.augment.apply_many(list(images), params)
-        batch = to_batch(images, self.size)
-        if self.normalize:
-            batch = normalize_(batch, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
-        return batch, torch.tensor(labels)
+        images = nv_decode(self._decoder, data)
+        params = [self.finish.sample((im.shape[-2], im.shape[-1]), self._random) for im in images]
+        return self.finish(images, params), torch.tensor(labels)
 
 
 def spawn_collate_nvimgcodec(
@@ -267,12 +281,20 @@ def _preload(files: Files, device: str) -> tuple[list[bytes], torch.Tensor]:
 
 
 def single_decoder_ceiling(
-    files: Files, *, size: Size, batch_size: int, backend: str, device: str, crop: str | None = None
+    files: Files,
+    *,
+    size: Size,
+    batch_size: int,
+    backend: str,
+    device: str,
+    crop: str | None = None,
+    normalize: bool = False,
 ) -> Iterator[Batch]:
     """One thread, one Decoder, no file I/O: what a single serialized Decoder can deliver.
 
-    ``crop``: ``None`` decodes whole images; ``"region"`` decodes only a RandomResizedCrop region of
-    each (drawn from the header); ``"whole"`` decodes the whole image and crops the same region.
+    ``crop`` (the ``--augment`` rows: RandomResizedCrop, flip and normalize, as ThreadLoader's):
+    ``None`` decodes whole images and resizes them; ``"region"`` decodes only each crop's region (drawn
+    from the header); ``"whole"`` decodes the whole image and crops the same region.
     """
     _require_cuda(device)
     nv = import_optional("nvidia.nvimgcodec")
@@ -282,39 +304,107 @@ def single_decoder_ceiling(
     except Exception as e:  # nvImageCodec reports a missing GPU or backend as various errors
         raise SkipRow(f"no nvImageCodec Decoder: {e}") from e
     data, targets = _preload(files, device)
-    crops = RandomResizedCrop(size)
+    finish = Finish(size, augment=crop is not None, normalize=normalize)
     for idx in endless_batches(len(data), batch_size):
-        if crop is None:
-            images = nv_decode(decoder, [data[i] for i in idx])
-        else:
-            streams = [nv.CodeStream(data[i]) for i in idx]
-            regions = [
-                crops.sample((cs.height, cs.width), sample_generator(0, 0, i))
-                for cs, i in zip(streams, idx, strict=True)
+        streams = [nv.CodeStream(data[i]) for i in idx]
+        params = [
+            finish.sample((cs.height, cs.width), sample_generator(0, 0, i))
+            for cs, i in zip(streams, idx, strict=True)
+        ]
+        if crop == "region":
+            assert finish.augment is not None
+            splits = [finish.augment.split_region(p) for p in params]
+            streams = [
+                cs.get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
+                for cs, ((t, left, h, w), _) in zip(streams, splits, strict=True)
             ]
-            if crop == "region":
-                parts = [
-                    cs.get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
-                    for cs, (t, left, h, w) in zip(streams, regions, strict=True)
-                ]
-                images = nv_decode(decoder, parts)
-            else:
-                images = [
-                    image[:, t : t + h, left : left + w]
-                    for image, (t, left, h, w) in zip(nv_decode(decoder, streams), regions, strict=True)
-                ]
-        yield to_batch(images, size), targets[idx]
+            params = [rest for _, rest in splits]
+        yield finish(nv_decode(decoder, streams), params), targets[idx]
 
 
-def torchvision_gpu(files: Files, *, size: Size, batch_size: int, device: str) -> Iterator[Batch]:
-    """torchvision's batched nvJPEG decode from one thread, over preloaded bytes."""
+def torchvision_gpu(
+    files: Files, *, size: Size, batch_size: int, device: str, augment: bool = False, normalize: bool = False
+) -> Iterator[Batch]:
+    """torchvision's batched nvJPEG decode from one thread, over preloaded bytes; whole images only."""
     _require_cuda(device)
     io = import_optional("torchvision.io")
     data, targets = _preload(files, device)
     encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
+    finish = Finish(size, augment=augment, normalize=normalize)
     for idx in endless_batches(len(encoded), batch_size):
         images = io.decode_jpeg([encoded[i] for i in idx], device=device, mode=io.ImageReadMode.RGB)
-        yield to_batch(images, size), targets[idx]
+        params = [
+            finish.sample((im.shape[-2], im.shape[-1]), sample_generator(0, 0, i))
+            for im, i in zip(images, idx, strict=True)
+        ]
+        yield finish(images, params), targets[idx]
+
+
+# --- NVIDIA DALI --------------------------------------------------------------------------------
+
+
+def dali(
+    root: Path,
+    *,
+    size: Size,
+    batch_size: int,
+    workers: int,
+    device: str,
+    augment: bool = False,
+    normalize: bool = False,
+) -> Iterator[Batch]:
+    """DALI's own pipeline over the directory, as its ResNet-50 examples build it.
+
+    ``fn.readers.file`` (the class folders in sorted order, as ImageFolder), then on a GPU the
+    ``mixed`` decoder, which splits each batch between the hardware JPEG engine and the CUDA decoder
+    (``hw_decoder_load``, DALI's default 0.65). With ``augment`` it decodes only a RandomResizedCrop
+    region (``fn.decoders.image_random_crop``, the same scale and ratio ranges: DALI's counterpart of
+    ThreadLoader's region decoding), resizes it and flips half the images; otherwise it decodes whole
+    images and resizes them (``fn.resize``, bilinear with antialias). ``fn.crop_mirror_normalize``
+    makes float32 NCHW in [0, 1], normalized as the other rows. ``workers``: DALI's CPU threads.
+    Without a GPU every operator runs on the CPU.
+    """
+    import_optional("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    gpu = device == "cuda"
+    scale = IMAGENET_STD if augment or normalize else (1.0, 1.0, 1.0)
+    shift = IMAGENET_MEAN if augment or normalize else (0.0, 0.0, 0.0)
+    decoded = {"device": "mixed", "hw_decoder_load": 0.65} if gpu else {"device": "cpu"}
+
+    @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=0 if gpu else None)
+    def pipeline() -> tuple[Any, Any]:
+        jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=False)
+        if augment:
+            images = fn.decoders.image_random_crop(
+                jpegs,
+                output_type=types.RGB,
+                random_area=(0.08, 1.0),
+                random_aspect_ratio=(3 / 4, 4 / 3),
+                **decoded,
+            )
+            mirror = fn.random.coin_flip(probability=0.5)
+        else:
+            images, mirror = fn.decoders.image(jpegs, output_type=types.RGB, **decoded), 0
+        images = fn.resize(
+            images, resize_x=size[1], resize_y=size[0], interp_type=types.INTERP_LINEAR, antialias=True
+        )
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mean=[255 * m for m in shift],
+            std=[255 * s for s in scale],
+            mirror=mirror,
+        )
+        return images, labels
+
+    pipe = pipeline()
+    pipe.build()
+    # No reader_name: the file reader wraps around, so the iterator is endless like the other rows'.
+    for (outputs,) in DALIGenericIterator([pipe], ["images", "labels"]):
+        yield outputs["images"], outputs["labels"].reshape(-1).long().to(device, non_blocking=True)
 
 
 # --- threadloader --------------------------------------------------------------------------------
@@ -331,6 +421,13 @@ def _epochs(loader: Iterable[Batch]) -> Iterator[Batch]:
             raise RuntimeError("loader produced an empty epoch")
 
 
+THREADLOADER_ROW_ARGUMENTS = frozenset(
+    {"batch_size", "drop_last", "num_threads", "size", "dtype", "mean", "std", "device", "transform"}
+    | {"channels_last", "region_decode"}
+)
+"""ThreadLoader's arguments that the rows set themselves: what makes rows the same work, or differ."""
+
+
 def threadloader(
     root: Path,
     *,
@@ -342,16 +439,19 @@ def threadloader(
     region_decode: bool = True,
     normalize: bool = False,
     channels_last: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
     With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``
     is off (then whole images are decoded and cropped: the comparison row). ``normalize``: ImageNet's
-    mean and std.
+    mean and std. ``options``: more keyword arguments for ``ThreadLoader`` (``--threadloader-options``),
+    none of :data:`THREADLOADER_ROW_ARGUMENTS`.
     """
     module = import_optional("threadloader")
     with module.ThreadLoader(
         root,
+        **(options or {}),
         batch_size=batch_size,
         drop_last=True,  # full batches only, as the other rows' endless batch samplers give
         num_threads=num_threads,

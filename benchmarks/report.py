@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,7 @@ BASELINE = "pil_dataloader"
 
 @dataclass
 class Row:
-    """One measured (or skipped) loader configuration."""
+    """One measurement (one repeat, in one process) of a loader configuration, or why it did not run."""
 
     name: str
     loader: str
@@ -21,6 +22,7 @@ class Row:
     reason: str = ""
     images: int = 0
     batches: int = 0
+    pid: int | None = None  # the process that measured it
     images_per_s: float | None = None
     ms_per_batch: float | None = None
     startup_s: float | None = None
@@ -30,32 +32,100 @@ class Row:
     data_wait_frac: float | None = None
 
 
+#: The measurements summarized over repeats: median, min and max of the repeats that ran.
+MEASURES = ("images_per_s", "ms_per_batch", "startup_s", "cpu_cores", "extra_gpu_mb", "torch_reserved_mb")
+MEASURES += ("data_wait_frac",)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A measure over a row's repeats."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread | None:
+        return Spread(statistics.median(values), min(values), max(values)) if values else None
+
+
+@dataclass
+class Result:
+    """One configuration measured ``len(repeats)`` times, each repeat in a fresh process."""
+
+    name: str
+    loader: str
+    batch_size: int
+    repeats: list[Row] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[Row]:
+        return [r for r in self.repeats if r.status == "ok"]
+
+    @property
+    def status(self) -> str:
+        """``ok`` when any repeat ran; else the first repeat's (``skipped`` or ``failed``)."""
+        return "ok" if self.ok else (self.repeats[0].status if self.repeats else "failed")
+
+    @property
+    def reason(self) -> str:
+        """Why repeats did not run: the first such reason, with a count when some others did."""
+        bad = [r for r in self.repeats if r.status != "ok"]
+        if not bad:
+            return ""
+        return (
+            f"{len(bad)} of {len(self.repeats)} repeats {bad[0].status}: {bad[0].reason}"
+            if self.ok
+            else bad[0].reason
+        )
+
+    def spread(self, measure: str) -> Spread | None:
+        """Median, min and max of ``measure`` over the repeats that ran and measured it."""
+        return Spread.of([v for r in self.ok if (v := getattr(r, measure)) is not None])
+
+    def median(self, measure: str) -> float | None:
+        spread = self.spread(measure)
+        return None if spread is None else spread.median
+
+
 @dataclass
 class Report:
     """Everything one run produced, with the context needed to compare runs."""
 
     hardware: dict[str, object]
     config: dict[str, object]
-    rows: list[Row] = field(default_factory=list)
+    rows: list[Result] = field(default_factory=list)
 
     @property
     def training(self) -> bool:
         return self.config.get("mode") == "training"
 
-    def ratio(self, row: Row) -> float | None:
-        """Throughput relative to the first successful baseline row."""
-        base = next((r for r in self.rows if r.loader == BASELINE and r.images_per_s), None)
-        if base is None or row.images_per_s is None or base.images_per_s is None:
-            return None
-        return row.images_per_s / base.images_per_s
+    def ratio(self, row: Result) -> float | None:
+        """Median throughput relative to the first baseline row's median."""
+        base = next((r.median("images_per_s") for r in self.rows if r.loader == BASELINE and r.ok), None)
+        value = row.median("images_per_s")
+        return None if base is None or value is None else value / base
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _cell(spread: Spread | None, spec: str) -> str:
+    """The median, and the range over repeats where they differ."""
+    if spread is None:
+        return "—"
+    if spread.low == spread.high:
+        return format(spread.median, spec)
+    return f"{spread.median:{spec}} ({spread.low:{spec}}-{spread.high:{spec}})"
+
+
 def markdown(report: Report) -> str:
-    """Hardware and config lines followed by one table row per loader configuration."""
+    """Hardware and config lines followed by one table row per loader configuration.
+
+    Each cell is the median over the row's repeats; throughput, memory and start-up add their range.
+    """
     hw = report.hardware
     lines = [
         f"# threadloader benchmark ({report.config.get('mode')})",
@@ -68,7 +138,7 @@ def markdown(report: Report) -> str:
     per_batch = "ms/step" if report.training else "ms/batch"
     header = [
         "loader",
-        "img/s",
+        "img/s (min-max)",
         per_batch,
         f"vs {BASELINE}",
         "extra GPU MB (device)",
@@ -84,29 +154,48 @@ def markdown(report: Report) -> str:
         ratio = report.ratio(row)
         cells = [
             row.name,
-            _fmt(row.images_per_s, ",.0f"),
-            _fmt(row.ms_per_batch, ".1f"),
+            _cell(row.spread("images_per_s"), ",.0f"),
+            _fmt(row.median("ms_per_batch"), ".1f"),
             "—" if ratio is None else f"{ratio:.2f}x",
-            _fmt(row.extra_gpu_mb, ",.0f"),
-            _fmt(row.torch_reserved_mb, ",.0f"),
-            _fmt(row.startup_s, ".2f"),
-            _fmt(row.cpu_cores, ".1f"),
+            _cell(row.spread("extra_gpu_mb"), ",.0f"),
+            _fmt(row.median("torch_reserved_mb"), ",.0f"),
+            _cell(row.spread("startup_s"), ".2f"),
+            _fmt(row.median("cpu_cores"), ".1f"),
         ]
         if report.training:
-            cells.append("—" if row.data_wait_frac is None else f"{row.data_wait_frac:.0%}")
-        cells.append("" if row.status == "ok" else f"{row.status}: {row.reason}".replace("|", "/"))
+            wait = row.median("data_wait_frac")
+            cells.append("—" if wait is None else f"{wait:.0%}")
+        note = row.reason if row.status == "ok" else f"{row.status}: {row.reason}"
+        cells.append(note.replace("|", "/"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def to_json(report: Report) -> str:
-    """Machine-readable dump; each row carries its ratio to the baseline."""
-    rows = [asdict(row) | {"ratio_vs_pil": report.ratio(row)} for row in report.rows]
+    """Machine-readable dump with every repeat as measured.
+
+    Per row: each measure's median under its own name, its ``min`` and ``max``, and the ratio of
+    medians to the baseline.
+    """
+    rows = []
+    for row in report.rows:
+        spreads = {m: row.spread(m) for m in MEASURES}
+        rows.append(
+            {"name": row.name, "loader": row.loader, "batch_size": row.batch_size}
+            | {"status": row.status, "reason": row.reason}
+            | {m: s and s.median for m, s in spreads.items()}
+            | {"min": {m: s and s.low for m, s in spreads.items()}}
+            | {"max": {m: s and s.high for m, s in spreads.items()}}
+            | {"ratio_vs_pil": report.ratio(row), "repeats": [asdict(r) for r in row.repeats]}
+        )
     return json.dumps({"hardware": report.hardware, "config": report.config, "rows": rows}, indent=2)
 
 
 def chart(report: Report, path: Path) -> None:
-    """Two horizontal bar panels side by side: throughput and extra device memory per loader."""
+    """Two horizontal bar panels side by side: throughput and extra device memory per loader.
+
+    Bars are medians over the repeats; the whiskers span min to max.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -116,19 +205,25 @@ def chart(report: Report, path: Path) -> None:
     FigureCanvasAgg(fig)
     speed, memory = fig.subplots(1, 2, sharey=True)
     panels = (
-        (speed, [r.images_per_s for r in rows], "throughput (images/s)", "tab:blue"),
-        (memory, [r.extra_gpu_mb for r in rows], "extra GPU memory, device level (MB)", "tab:orange"),
+        (speed, "images_per_s", "throughput (images/s)", "tab:blue"),
+        (memory, "extra_gpu_mb", "extra GPU memory, device level (MB)", "tab:orange"),
     )
-    for ax, values, title, color in panels:
+    for ax, measure, title, color in panels:
         ax.set_title(title)
-        if all(v is None for v in values):  # CPU runs measure no device memory
+        spreads = [r.spread(measure) or Spread(0.0, 0.0, 0.0) for r in rows]
+        if not any(r.spread(measure) for r in rows):  # CPU runs measure no device memory
             ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center")
             continue
-        bars = ax.barh(names, [v or 0.0 for v in values], color=color)
+        medians = [s.median for s in spreads]
+        whiskers = [[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]]
+        bars = ax.barh(names, medians, xerr=whiskers, color=color, capsize=3)
         ax.bar_label(bars, fmt="{:,.0f}", padding=3, fontsize=8)
         ax.margins(x=0.15)
     speed.invert_yaxis()  # shared y axis: first row on top for both panels
-    fig.suptitle(f"{report.config.get('set')} set on {report.hardware.get('gpu', 'cpu')}")
+    fig.suptitle(
+        f"{report.config.get('set')} set on {report.hardware.get('gpu', 'cpu')}: median of "
+        f"{report.config.get('repeats', 1)} processes, whiskers min to max"
+    )
     fig.savefig(path, dpi=120)
 
 

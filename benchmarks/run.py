@@ -2,25 +2,36 @@
 
 Usage: ``python -m benchmarks.run [--set fixed|varied] [--quick] [--training] [--out DIR] ...``
 
-Method, identical for every row: build the loader (``startup_s`` runs from construction to the first
-batch whose data is ready), take ``--warmup`` batches, then time ``--batches`` batches, the consumer
-synchronizing the current CUDA stream after each one as a training step would. ``--training``
-replaces that wait with a ResNet-50 step and reports the share of time blocked on the loader.
+Method, identical for every row: each repeat of each row runs in a fresh process (``--repeats``,
+the rows interleaved), so nothing an earlier row cached (nvImageCodec decoders, a CUDA context,
+imported modules) makes a later row's start-up or memory look smaller. In that process: build the
+loader (``startup_s`` runs from construction to the first batch whose data is ready), take
+``--warmup`` batches, then time ``--batches`` batches, the consumer synchronizing the current CUDA
+stream after each one as a training step would. ``--training`` replaces that wait with a ResNet-50
+step and reports the share of time blocked on the loader. The report gives each row's median over
+its repeats, with min and max.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import gc
+import importlib.util
+import json
 import os
 import platform
+import re
 import resource
+import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -32,7 +43,7 @@ import torch
 from benchmarks import loaders
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
-from benchmarks.report import Report, Row, markdown, write
+from benchmarks.report import Report, Result, Row, markdown, write
 from benchmarks.train_step import make_step
 
 Step = Callable[[Batch], None]
@@ -43,8 +54,10 @@ LOADERS = (
     "spawn_collate_nvimgcodec",
     "single_decoder_ceiling",
     "torchvision_gpu",
+    "dali",
     "threadloader",
 )
+GPU_ONLY = frozenset({"spawn_collate_nvimgcodec", "single_decoder_ceiling", "torchvision_gpu"})
 
 _DEFAULTS = {  # option: (full run, --quick)
     "count": (2000, 64),
@@ -52,6 +65,8 @@ _DEFAULTS = {  # option: (full run, --quick)
     "warmup": (20, 1),
     "batch_size": (64, 16),
     "workers": (8, 2),
+    "repeats": (3, 1),
+    "row_timeout": (300.0, 120.0),
 }
 
 
@@ -162,6 +177,10 @@ def _take(stream: Iterator[Batch], step: Step, count: int) -> tuple[int, float]:
     return images, waited
 
 
+class RowProcessError(Exception):
+    """A row's process crashed, hung or printed no result; its own stderr holds the details."""
+
+
 def record_failure(row: Row | Any, error: Exception) -> None:
     """Marks a row skipped (a :class:`SkipRow`) or failed (traceback printed, first line kept).
 
@@ -170,7 +189,8 @@ def record_failure(row: Row | Any, error: Exception) -> None:
     if isinstance(error, SkipRow):
         row.status, row.reason = "skipped", str(error)
         return
-    traceback.print_exc()
+    if not isinstance(error, RowProcessError):  # its traceback is the child's, already printed
+        traceback.print_exc()
     row.status, row.reason = "failed", f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
@@ -184,7 +204,7 @@ def measure(case: Case, *, device: str, warmup: int, batches: int, make_step: Ca
         batches: Timed batches.
         make_step: Builds the consumer for a batch size, outside the timed and memory windows.
     """
-    row = Row(name=case.name, loader=case.loader, batch_size=case.batch_size)
+    row = Row(name=case.name, loader=case.loader, batch_size=case.batch_size, pid=os.getpid())
     _release(device)
     stream = case.make()
     memory = DeviceMemory(device)
@@ -234,11 +254,22 @@ def _train_step(device: str, size: tuple[int, int]) -> Callable[[int], Step]:
 
 
 def cases(args: argparse.Namespace, root: Path) -> list[Case]:
-    """The rows selected by the options, all reading the same files."""
+    """The rows selected by the options, all reading the same files and delivering the same output."""
     files = list_images(root)
     common = {"size": OUTPUT_SIZE[args.set], "device": args.device}
     b, w = args.batch_size, args.workers
-    pipeline = {"augment": args.augment, "normalize": args.normalize}  # the PIL and threadloader rows'
+    pipeline = {"augment": args.augment, "normalize": args.normalize}
+    options = args.threadloader_options
+    named = "".join(f" {key}={value!r}" for key, value in options.items())  # ThreadLoader rows only
+
+    def ours(name: str, batch_size: int, **kwargs: Any) -> Case:
+        return Case(
+            f"threadloader {name} b={batch_size}{named}",
+            "threadloader",
+            batch_size,
+            partial(loaders.threadloader, root, batch_size=batch_size, options=options, **kwargs, **common),
+        )
+
     rows = [
         Case(
             f"pil_dataloader w={w} b={b}",
@@ -250,7 +281,7 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
             f"spawn_collate_nvimgcodec w={w} b={b}",
             "spawn_collate_nvimgcodec",
             b,
-            partial(loaders.spawn_collate_nvimgcodec, files, batch_size=b, workers=w, **common),
+            partial(loaders.spawn_collate_nvimgcodec, files, batch_size=b, workers=w, **pipeline, **common),
         ),
         *(
             Case(
@@ -258,7 +289,13 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
                 "single_decoder_ceiling",
                 cb,
                 partial(
-                    loaders.single_decoder_ceiling, files, batch_size=cb, backend=backend, crop=crop, **common
+                    loaders.single_decoder_ceiling,
+                    files,
+                    batch_size=cb,
+                    backend=backend,
+                    crop=crop,
+                    normalize=args.normalize,
+                    **common,
                 ),
             )
             for backend in args.backends
@@ -270,47 +307,82 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
             f"torchvision_gpu b={b}",
             "torchvision_gpu",
             b,
-            partial(loaders.torchvision_gpu, files, batch_size=b, **common),
+            partial(loaders.torchvision_gpu, files, batch_size=b, **pipeline, **common),
         ),
         Case(
-            f"threadloader default threads b={b}",
-            "threadloader",
+            f"dali w={w} b={b}",
+            "dali",
             b,
-            partial(loaders.threadloader, root, batch_size=b, num_threads=None, **pipeline, **common),
+            partial(loaders.dali, root, batch_size=b, workers=w, **pipeline, **common),
         ),
+        ours("default threads", b, num_threads=None, **pipeline),
     ]
     if args.augment:  # the same pipeline decoding whole images and cropping them: what regions save
-        rows.append(
-            Case(
-                f"threadloader whole decode + crop b={b}",
-                "threadloader",
-                b,
-                partial(
-                    loaders.threadloader,
-                    root,
-                    batch_size=b,
-                    num_threads=None,
-                    region_decode=False,
-                    **pipeline,
-                    **common,
-                ),
-            )
-        )
+        rows.append(ours("whole decode + crop", b, num_threads=None, region_decode=False, **pipeline))
     if args.sweep:
         rows += [
-            Case(
-                f"threadloader t={t} b={sb}",
-                "threadloader",
-                sb,
-                partial(loaders.threadloader, root, batch_size=sb, num_threads=t, **pipeline, **common),
-            )
-            for t in args.threads
-            for sb in args.batch_sizes
+            ours(f"t={t}", sb, num_threads=t, **pipeline) for t in args.threads for sb in args.batch_sizes
         ]
     # The forked DataLoader row runs last: on an H200, after it had run in the process, nvImageCodec's
     # hybrid backend failed 114 of 128 region decodes that succeed in a fresh process.
     rows.sort(key=lambda case: case.loader == "pil_dataloader")
     return [c for c in rows if not args.only or c.loader in args.only]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def skip_reason(case: Case, device: str) -> str | None:
+    """Rows that cannot run here, decided without starting a process for them.
+
+    The loaders raise :class:`SkipRow` for the same reasons (and others) when they are run anyway.
+    """
+    if device != "cuda" and case.loader in GPU_ONLY:
+        return "needs a CUDA device"
+    if case.loader == "dali" and not _installed("nvidia.dali"):
+        return "nvidia.dali is not installed"
+    return None
+
+
+def run_child(command: Sequence[str], row: Row, *, timeout: float) -> Row:
+    """One repeat of a row in a fresh process: ``command`` prints the :class:`Row` as JSON last.
+
+    A process that crashes, hangs past ``timeout`` seconds or prints no row gives ``row`` back, failed
+    with the reason. The child runs in a session of its own, killed whole when it ends, so that no
+    DataLoader worker of a crashed or hung row outlives it into the next row; its stderr (progress,
+    tracebacks) is passed on.
+    """
+    timed_out = False
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the usual case: the whole session has ended
+                os.killpg(child.pid, signal.SIGKILL)
+    sys.stderr.write(err)
+    if timed_out:
+        failure: str | None = f"stopped after {timeout:g} s"
+    elif child.returncode < 0:
+        failure = f"killed by {signal.Signals(-child.returncode).name}"
+    elif child.returncode > 0:
+        failure = f"exited with {child.returncode}: " + (err.strip().splitlines() or ["no message"])[-1]
+    else:
+        try:
+            return Row(**json.loads(out.strip().splitlines()[-1]))
+        except (IndexError, ValueError, TypeError) as e:  # nothing printed, or not a row
+            failure = f"printed no row: {type(e).__name__}: {e}"
+    record_failure(row, RowProcessError(failure))
+    return row
 
 
 def hardware(device: str) -> dict[str, object]:
@@ -359,6 +431,30 @@ def _names(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def threadloader_options(text: str) -> dict[str, Any]:
+    """``key=value,...`` for every ThreadLoader row: values are Python literals, else plain strings.
+
+    ``gpu_decoders=2,backend=split`` gives ``{"gpu_decoders": 2, "backend": "split"}``; a comma
+    inside a value (``size=(1, 2)``) is kept, since pairs split only before ``name=``.
+    """
+    options: dict[str, Any] = {}
+    for item in re.split(r",\s*(?=[A-Za-z_]\w*\s*=)", text.strip()):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not key.isidentifier():
+            raise argparse.ArgumentTypeError(f"expected name=value pairs separated by commas, got {item!r}")
+        if key in loaders.THREADLOADER_ROW_ARGUMENTS:
+            raise argparse.ArgumentTypeError(
+                f"{key} is set by the rows themselves, as are "
+                f"{', '.join(sorted(loaders.THREADLOADER_ROW_ARGUMENTS - {key}))}: use --batch-size, "
+                "--threads, --augment or --normalize instead"
+            )
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # not a literal: a plain string, as ``backend=split``
+            options[key] = value
+    return options
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options; unset sizes take the full-run or ``--quick`` default."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
@@ -385,6 +481,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny smoke run (count 64, 5 batches)")
     p.add_argument("--training", action="store_true", help="feed a ResNet-50 training step")
     p.add_argument(
+        "--repeats",
+        type=int,
+        help="fresh processes per row; the report gives the median and min-max (default 3)",
+    )
+    p.add_argument(
+        "--row-timeout", type=float, help="seconds before a row's process is stopped (default 300)"
+    )
+    p.add_argument(
+        "--threadloader-options",
+        type=threadloader_options,
+        default={},
+        metavar="NAME=VALUE,...",
+        help="more ThreadLoader keyword arguments for every threadloader row, e.g. "
+        "'decode_threads=2,backend=cuda' (values are Python literals, else strings); shown in the row names",
+    )
+    # internal: measure this one row here and print it as JSON (what each row's process runs)
+    p.add_argument("--_row", dest="row", help=argparse.SUPPRESS)
+    p.add_argument(
         "--augment",
         action="store_true",
         help="PIL and threadloader rows: RandomResizedCrop + flip + normalize (training augmentation) "
@@ -404,26 +518,64 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.sweep is None:
         args.sweep = not (args.quick or args.training)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> Report:
-    """Build or reuse the data set, measure every selected row, print and write the report."""
+def measure_rows(selected: Sequence[Case], args: argparse.Namespace, argv: Sequence[str]) -> list[Result]:
+    """Every repeat of every row, each in a fresh process of this module, the rows interleaved.
+
+    Interleaved, so that a drift of the machine (clocks, other load) spreads over all rows; a row
+    that is skipped once is not run again.
+    """
+    results = [Result(case.name, case.loader, case.batch_size) for case in selected]
+    for repeat in range(1, args.repeats + 1):
+        for i, (case, result) in enumerate(zip(selected, results, strict=True), 1):
+            if result.repeats and result.status == "skipped":
+                continue
+            print(
+                f"[{repeat}/{args.repeats}: {i}/{len(selected)}] {case.name} ...", file=sys.stderr, flush=True
+            )
+            row = Row(name=case.name, loader=case.loader, batch_size=case.batch_size)
+            reason = skip_reason(case, args.device)
+            if reason is None:
+                command = [sys.executable, "-m", "benchmarks.run", *argv, "--_row", case.name]
+                row = run_child(command, row, timeout=args.row_timeout)
+            else:
+                row.status, row.reason = "skipped", reason
+            result.repeats.append(row)
+            done = f"{row.images_per_s:,.0f} img/s" if row.status == "ok" else f"{row.status}: {row.reason}"
+            print(f"    {done}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> Report | Row:
+    """Build or reuse the data set, measure every selected row, print and write the report.
+
+    With ``--_row NAME`` (what :func:`measure_rows` runs): measure that one row here, print it as JSON.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     root = ensure_dataset(args.set, count=args.count, root=args.data_root, seed=args.seed)
+    selected = cases(args, root)
+    if args.row is not None:
+        case = next((c for c in selected if c.name == args.row), None)
+        if case is None:
+            raise SystemExit(
+                f"no row named {args.row!r} with these options; rows: {[c.name for c in selected]}"
+            )
+        make_step = (
+            _train_step(args.device, OUTPUT_SIZE[args.set]) if args.training else _wait_step(args.device)
+        )
+        row = measure(case, device=args.device, warmup=args.warmup, batches=args.batches, make_step=make_step)
+        print(json.dumps(asdict(row)))
+        return row
     for path, _ in list_images(root):  # warm the page cache so the first row does not pay for it
         path.read_bytes()
-    make_step = _train_step(args.device, OUTPUT_SIZE[args.set]) if args.training else _wait_step(args.device)
-    selected = cases(args, root)
-    rows = []
-    for i, case in enumerate(selected, 1):
-        print(f"[{i}/{len(selected)}] {case.name} ...", file=sys.stderr, flush=True)
-        row = measure(case, device=args.device, warmup=args.warmup, batches=args.batches, make_step=make_step)
-        rows.append(row)
-        done = f"{row.images_per_s:,.0f} img/s" if row.status == "ok" else f"{row.status}: {row.reason}"
-        print(f"    {done}", file=sys.stderr, flush=True)
+    rows = measure_rows(selected, args, argv)
     report = Report(
-        hardware=hardware(args.device),  # after the rows, so the loaders' packages are imported
+        hardware=hardware(args.device),  # after the rows: no CUDA context in this process while they run
         config={
             "mode": "training" if args.training else "throughput",
             "augment": args.augment,
@@ -433,9 +585,11 @@ def main(argv: Sequence[str] | None = None) -> Report:
             "output_size": "x".join(map(str, OUTPUT_SIZE[args.set])),
             "warmup": args.warmup,
             "batches": args.batches,
+            "repeats": args.repeats,
             "device": args.device,
             "data": str(root),
-        },
+        }
+        | ({"threadloader_options": args.threadloader_options} if args.threadloader_options else {}),
         rows=rows,
     )
     print(markdown(report))

@@ -1,0 +1,143 @@
+"""``benchmarks.run``'s method: every repeat in a fresh process, medians and ranges, failures as rows,
+and ``--threadloader-options`` reaching ThreadLoader."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from argparse import ArgumentTypeError
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import run
+from benchmarks.report import Report, Result, Row, markdown, to_json
+
+from .conftest import run_benchmark
+
+QUICK_CPU = ["--quick", "--device", "cpu", "--only", "threadloader"]
+
+
+def _needs_data_set() -> None:
+    pytest.importorskip("skimage", reason="benchmarks need scikit-image for their photos")
+
+
+def test_each_repeat_of_a_row_runs_in_a_fresh_child_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _needs_data_set()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    # This test's process is the parent: a row measured here would carry this pid.
+    report = run.main([*QUICK_CPU, "--repeats", "2", "--data-root", str(tmp_path / "data")])
+    assert isinstance(report, Report)
+    (result,) = report.rows
+    assert [r.status for r in result.repeats] == ["ok", "ok"], result.repeats
+    pids = [r.pid for r in result.repeats]
+    assert None not in pids and len(set(pids)) == 2 and os.getpid() not in pids, pids
+    first, second = (r.images_per_s or 0.0 for r in result.repeats)
+    assert result.median("images_per_s") == pytest.approx((first + second) / 2)
+
+
+def _row(status: str = "ok", reason: str = "", **values: Any) -> Row:
+    return Row(name="x b=8", loader="threadloader", batch_size=8, status=status, reason=reason, **values)
+
+
+def test_median_and_range_over_the_repeats_that_ran() -> None:
+    result = Result("x b=8", "threadloader", 8)
+    result.repeats = [
+        _row(images_per_s=300.0, startup_s=0.5, extra_gpu_mb=None),
+        _row("failed", "RowProcessError: killed by SIGSEGV", images_per_s=None),
+        _row(images_per_s=100.0, startup_s=0.1, extra_gpu_mb=None),
+        _row(images_per_s=200.0, startup_s=0.2, extra_gpu_mb=None),
+    ]
+    base = Result("p", "pil_dataloader", 8, [_row(images_per_s=v) for v in (10.0, 40.0, 50.0, 1000.0)])
+    report = Report(hardware={}, config={"mode": "throughput"}, rows=[result, base])
+
+    speed = result.spread("images_per_s")
+    assert (speed.median, speed.low, speed.high) == (200.0, 100.0, 300.0)  # type: ignore[union-attr]
+    assert result.median("startup_s") == 0.2
+    assert result.spread("extra_gpu_mb") is None  # measured by no repeat (a CPU run)
+    assert base.median("images_per_s") == 45.0  # an even count: the mean of the middle two
+    assert report.ratio(result) == pytest.approx(200.0 / 45.0)
+    assert (
+        result.status == "ok" and result.reason == "1 of 4 repeats failed: RowProcessError: killed by SIGSEGV"
+    )
+
+    table = markdown(report)
+    assert "| x b=8 | 200 (100-300) |" in table and "| 0.20 (0.10-0.50) |" in table
+    (row, _) = json.loads(to_json(report))["rows"]
+    assert (row["images_per_s"], row["min"]["images_per_s"], row["max"]["images_per_s"]) == (200, 100, 300)
+    assert [r["images_per_s"] for r in row["repeats"]] == [300, None, 100, 200]
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("import os; os.abort()", "killed by SIGABRT"),
+        ("raise SystemExit('decoder exploded')", "exited with 1: decoder exploded"),
+        ("import time; time.sleep(120)", "stopped after 1 s"),
+        ("print('no json here')", "printed no row"),
+    ],
+)
+def test_a_child_that_crashes_hangs_or_prints_no_row_becomes_a_failed_row(code: str, reason: str) -> None:
+    row = run.run_child(_python(code), _row(), timeout=1)
+    assert row.status == "failed" and reason in row.reason, row
+
+
+def test_a_child_that_prints_its_row_gives_that_row() -> None:
+    printed = _row(images_per_s=123.0, pid=42)
+    code = f"print('progress'); print({json.dumps(json.dumps(asdict(printed)))})"
+    assert run.run_child(_python(code), _row(), timeout=30) == printed
+
+
+def test_threadloader_options_are_parsed_as_literals_or_strings() -> None:
+    parsed = run.threadloader_options("gpu_decoders=2, backend=split,pair=(1, 2),x=None,y=0.5")
+    assert parsed == {"gpu_decoders": 2, "backend": "split", "pair": (1, 2), "x": None, "y": 0.5}
+    with pytest.raises(ArgumentTypeError, match="num_threads is set by the rows"):
+        run.threadloader_options("num_threads=4")
+
+
+def test_threadloader_options_reach_every_threadloader_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threadloader
+
+    got: list[dict[str, Any]] = []
+
+    class Recorded(Exception):
+        pass
+
+    def fake(*args: object, **kwargs: Any) -> None:
+        got.append(kwargs)
+        raise Recorded
+
+    monkeypatch.setattr(threadloader, "ThreadLoader", fake)
+    options = ["--threadloader-options", "decode_threads=2,backend=split"]
+    args = run.parse_args(["--device", "cpu", "--augment", "--threads", "1", "--batch-sizes", "4", *options])
+    (tmp_path / "c" / "a.jpg").parent.mkdir(parents=True)
+    (tmp_path / "c" / "a.jpg").write_bytes(b"")
+    ours = [c for c in run.cases(args, tmp_path) if c.loader == "threadloader"]
+    assert len(ours) == 3  # the default row, whole decode + crop, and the sweep's one
+    for case in ours:
+        assert case.name.endswith(" decode_threads=2 backend='split'"), case.name
+        with pytest.raises(Recorded):
+            next(case.make())
+    assert [(k["decode_threads"], k["backend"]) for k in got] == [(2, "split")] * 3
+
+
+def test_threadloader_options_reach_the_row_processes(tmp_path: Path) -> None:
+    _needs_data_set()
+    out = tmp_path / "out"
+    args = [*QUICK_CPU, "--threadloader-options", "max_pixels=1", "--out", str(out)]
+    result = run_benchmark("benchmarks.run", args, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (row,) = json.loads((out / "report.json").read_text())["rows"]
+    assert row["name"].endswith(" max_pixels=1"), row
+    assert row["status"] == "failed" and "over the limit of 1" in row["reason"], row
