@@ -153,15 +153,15 @@ def test_parity_with_pillow(corpus: dict[str, bytes]) -> None:
         assert loader.stats().errors == 0
 
 
-def test_gpu_output_format_against_plain_torch(corpus: dict[str, bytes]) -> None:
+def _check_resized(corpus: dict[str, bytes], names: list[str], **loader_options: object) -> None:
     """Resized, scaled and normalized on the GPU: the formula spelled out on Pillow's pixels, image by
     image, with the error in 0-255 units (times std and 255, per channel)."""
-    names = list(corpus)
     mean, std = torch.tensor([0.5, 0.4, 0.3]).view(3, 1, 1), torch.tensor([0.2, 0.25, 0.3]).view(3, 1, 1)
     options = dict(
         batch_size=8, size=(96, 128), dtype=torch.float32, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)
     )
-    with ThreadLoader([(corpus[n], i) for i, n in enumerate(names)], device="cuda", **options) as loader:
+    samples = [(corpus[n], i) for i, n in enumerate(names)]
+    with ThreadLoader(samples, device="cuda", **options, **loader_options) as loader:  # type: ignore[arg-type]
         for images, targets in loader:
             assert images.dtype == torch.float32 and images.shape[1:] == (3, 96, 128)
             for image, target in zip(images.cpu(), targets.tolist(), strict=True):
@@ -172,6 +172,35 @@ def test_gpu_output_format_against_plain_torch(corpus: dict[str, bytes]) -> None
                 expected = (resized / 255 - mean) / std
                 problem = gpu_mismatch(image * std * 255, expected * std * 255)
                 assert problem is None, f"{names[target]}: {problem}"
+
+
+def test_gpu_output_format_against_plain_torch(corpus: dict[str, bytes]) -> None:
+    _check_resized(corpus, list(corpus))
+
+
+@pytest.mark.parametrize("turned", [False, True])
+def test_images_of_different_sizes_are_resized_from_one_padded_batch(
+    corpus: dict[str, bytes], turned: bool
+) -> None:
+    """Decoded into one padded tensor and resized from it; not padded where EXIF turns an image on its
+    side (a padded slot cannot hold it turned): the same pixels either way."""
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    # Not the 1x1 images: padding them to 800x600 would cost more memory than the decoder allows.
+    upright = [n for n in corpus if "1x1" not in n and not (n.startswith("exif_") and int(n[5:]) >= 5)]
+    names = [*upright, "exif_6"] if turned else upright
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    padded: list[bool] = []
+    decode = decoder.decode
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        batch = decode(*args, **kwargs)
+        padded.append(kwargs.get("pad", False) and batch.padded is not None)
+        return batch
+
+    decoder.decode = spy  # type: ignore[method-assign]
+    _check_resized(corpus, names, decoder=decoder, decode_batch_size=len(names))
+    assert padded == [not turned]
 
 
 def test_decodes_straight_into_one_batch_tensor() -> None:

@@ -2,7 +2,7 @@ import random
 
 import numpy as np
 
-from threadloader.decode._jpeg import exif_orientation, normalize_gray_sampling
+from threadloader.decode._jpeg import exif_orientation, may_swap_sides, normalize_gray_sampling
 
 from .conftest import encode, photo, pil_reference, with_gray_sampling, with_orientation
 
@@ -43,6 +43,19 @@ def test_exif_orientation_in_both_byte_orders() -> None:
             assert exif_orientation(data) == orientation
             assert pil_reference(data).shape[:2] == ((8, 8))
     assert exif_orientation(encode(photo(20, 30, 7), quality=90)) == 1  # no EXIF
+
+
+def test_sides_may_swap_for_orientations_5_to_8_and_unsure_exif() -> None:
+    # Pillow's transpose is the reference: the displayed image is the stored one turned on its side.
+    for orientation in range(1, 9):
+        data = with_orientation(photo(20, 30, 6), orientation)
+        swapped = pil_reference(data).shape[:2] == (30, 20)
+        assert may_swap_sides(data) is swapped
+        assert may_swap_sides(memoryview(data)) is swapped
+    assert may_swap_sides(encode(photo(20, 30, 7), quality=90)) is False  # no EXIF at all
+    broken = bytearray(_exif_jpeg(1, b"II"))
+    broken[broken.index(b"II") : broken.index(b"II") + 2] = b"XX"  # EXIF that cannot be read: unsure
+    assert may_swap_sides(bytes(broken)) is True
 
 
 def test_exif_orientation_never_raises_on_damaged_headers() -> None:

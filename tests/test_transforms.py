@@ -170,7 +170,7 @@ class RegionDecoder(PillowDecoder):
             crop = batch.images[position][top : top + h, left : left + w]  # type: ignore[index]
             batch.padded[position, :h, :w] = crop
             batch.images[position] = batch.padded[position, :h, :w]
-        batch.regions = set(regions)
+        batch.regions = batch.padded_rows = set(regions)
         return batch
 
 

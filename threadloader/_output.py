@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .transforms.functional import Images, normalize, resize, resize_many, to_dtype
+from ._regions import Region
+from .transforms.functional import Images, normalize, resample_many, resize, resize_many, to_dtype
 
 __all__ = ["FLOAT_DTYPES", "OutputFormat"]
 
@@ -65,18 +66,28 @@ class OutputFormat:
         if self.channels_last and self.size is None:
             raise ValueError("channels_last needs size=(H, W): it is a layout of stacked 4-D batches")
 
-    def apply(self, images: Images) -> Images:
+    def apply(self, images: Images, *, extents: Sequence[tuple[int, int]] | None = None) -> Images:
         """Formats images.
 
         Args:
             images: ``(3, H, W)`` tensors on one device, or a ``(B, 3, H, W)`` batch of them; at least one.
                 ``uint8`` (0-255), or float already in [0, 1] (as ``ToDtype(..., scale=True)`` leaves them).
+            extents: For a batch of images of different sizes padded to one (needs ``size``): each
+                image's ``(height, width)`` at the top left of its row. The padding is never read.
 
         Returns:
             A ``(B, 3, H, W)`` tensor when ``size`` is set, else a list of ``(3, H, W)`` tensors.
         """
         if len(images) == 0:
             raise ValueError("OutputFormat.apply needs at least one image")
+        if extents is not None:
+            if self.size is None or not isinstance(images, torch.Tensor) or len(extents) != len(images):
+                raise ValueError(
+                    f"extents= needs size=(H, W) and a padded batch tensor with one extent per row; got "
+                    f"size={self.size}, {type(images).__name__} of {len(images)}, {len(extents)} extents"
+                )
+            regions = [(0, 0, height, width) for height, width in extents]
+            return self._layout(self._finish(images, self.size, regions))
         if self.size is None:
             if isinstance(images, torch.Tensor):
                 return list(self._finish(images, None).contiguous().unbind(0))
@@ -92,19 +103,25 @@ class OutputFormat:
     def _layout(self, batch: torch.Tensor) -> torch.Tensor:
         return batch.contiguous(memory_format=self._memory_format)
 
-    def _finish(self, batch: Images, size: tuple[int, int] | None) -> torch.Tensor:
+    def _finish(
+        self, batch: Images, size: tuple[int, int] | None, regions: Sequence[Region] | None = None
+    ) -> torch.Tensor:
         """Resizes a batch to ``size`` if needed, then converts and normalizes it.
 
         ``batch`` is a ``(B, 3, H, W)`` tensor, or a list of images of different sizes, which are
-        resampled together (on the CPU, each alone: :func:`~.transforms.functional.resize_many`). Float
-        outputs are resized in float, without rounding to integers first.
+        resampled together (on the CPU, each alone: :func:`~.transforms.functional.resize_many`); with
+        ``regions``, a batch tensor whose rows are resampled from those regions only. Float outputs are
+        resized in float, without rounding to integers first.
         """
         integer = not batch[0].is_floating_point()
         if self.dtype == torch.uint8:
             work_dtype = batch[0].dtype
         else:
             work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        if isinstance(batch, list):
+        if regions is not None:
+            assert size is not None
+            work = resample_many(batch, regions, size, dtype=work_dtype)
+        elif isinstance(batch, list):
             assert size is not None
             work = resize_many(batch, size, dtype=work_dtype)
         else:

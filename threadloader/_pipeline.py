@@ -132,11 +132,14 @@ class BatchProducer:
         """Decodes the samples read, in one decoder call; ``None`` when none could be read."""
         if not group.blobs:
             return None
+        # Without a transform, the output's resize reads images of different sizes in one batch.
+        pad = self._decoder.pads and self._transform is None and self._output.size is not None
         return self._decoder.decode(
             group.blobs,
             stream=stream,
             stats=self._stats,
             region_of=plans.region_of if plans is not None and plans.random else None,
+            **({"pad": True} if pad else {}),
         )
 
     def _split(
@@ -144,11 +147,12 @@ class BatchProducer:
     ) -> list[Outcome]:
         """Splits a decoded group into its batches: transformed, formatted and sealed, or their errors."""
         errors = group.errors(decoded)
-        # Formatted at once only for regions: the crop's resampling works in chunks of bounded memory,
-        # where a group of same-size images would be converted to float whole.
+        # Formatted at once only for padded groups (regions, images of different sizes): their
+        # resampling works in chunks of bounded memory, where a group of same-size images would be
+        # converted to float whole.
         formatted = (
             self._format(decoded, 0, len(group.refs), plans)
-            if decoded is not None and not any(errors) and len(group.batches) > 1 and _only_regions(decoded)
+            if decoded is not None and not any(errors) and len(group.batches) > 1 and _all_padded(decoded)
             else None
         )
         outcomes: list[Outcome] = []
@@ -188,18 +192,22 @@ class BatchProducer:
         kept = _kept(decoded, first, last)
         with self._stats.timed("transform"):
             images: Images
+            extents = None
             whole = len(kept) == last - first
             if whole and decoded.stacked is not None:
                 images = decoded.stacked[first:last].permute(0, 3, 1, 2)
-            elif whole and decoded.padded is not None and all(p in decoded.regions for p in kept):
-                # Regions at the top left of padded rows: what a region-reading first transform takes.
+            elif whole and decoded.padded is not None and all(p in decoded.padded_rows for p in kept):
+                # Images at the top left of padded rows: a region-reading first transform takes them as
+                # they are (regions); without a transform, the output's resize reads each one's extent.
                 images = decoded.padded[first:last].permute(0, 3, 1, 2)
+                if self._transform is None:
+                    extents = [_extent(decoded.images[p]) for p in kept]
             else:
                 images = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
             if self._transform is not None and plans is not None:
                 images = self._transform.apply_many(images, [plans.params(p, decoded) for p in kept])
                 check_cancelled()
-            return self._output.apply(images)
+            return self._output.apply(images, extents=extents)
 
 
 @dataclass
@@ -302,11 +310,17 @@ def _own_rows(images: Images, first: int, last: int) -> Images:
     return [image.clone() for image in images[first:last]]
 
 
-def _only_regions(decoded: DecodedBatch) -> bool:
-    """Whether every image of a decoded group is a region in its padded tensor."""
+def _all_padded(decoded: DecodedBatch) -> bool:
+    """Whether every image of a decoded group is at the top left of its row of the padded tensor."""
     return decoded.padded is not None and all(
-        image is not None and p in decoded.regions for p, image in enumerate(decoded.images)
+        image is not None and p in decoded.padded_rows for p, image in enumerate(decoded.images)
     )
+
+
+def _extent(image: torch.Tensor | None) -> tuple[int, int]:
+    """The ``(height, width)`` of a decoded ``(H, W, 3)`` image."""
+    assert image is not None
+    return int(image.shape[0]), int(image.shape[1])
 
 
 def _log_skip(error: SampleError) -> None:

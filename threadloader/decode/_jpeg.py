@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["exif_orientation", "has_end_marker", "normalize_gray_sampling"]
+__all__ = ["exif_orientation", "has_end_marker", "may_swap_sides", "normalize_gray_sampling"]
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not frames
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM and RSTn carry no length
@@ -81,6 +81,22 @@ def exif_orientation(data: bytes | bytearray | memoryview) -> int | None:
             found = True
             orientation = _tiff_orientation(bytes(view[position + 10 : position + 2 + length]))
     return None
+
+
+#: How far into a JPEG :func:`may_swap_sides` looks for EXIF: APP1 comes first, before the image data.
+_EXIF_SEARCH = 65536
+
+
+def may_swap_sides(data: bytes | bytearray | memoryview) -> bool:
+    """Whether a JPEG may be displayed with height and width swapped (EXIF orientation 5-8, or unsure).
+
+    A search for EXIF's signature first, in C: most files have none, and need no header walk.
+    """
+    head = data if isinstance(data, (bytes, bytearray)) else bytes(data[:_EXIF_SEARCH])
+    if head.find(b"Exif\x00\x00", 0, _EXIF_SEARCH) < 0:
+        return False
+    orientation = exif_orientation(data)
+    return orientation is None or orientation >= 5
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:

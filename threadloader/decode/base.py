@@ -52,9 +52,11 @@ class DecodedBatch:
         stacked: A ``(B, H, W, 3)`` tensor whose slices are exactly ``images`` when every sample decoded
             to one shape, so later stages can work on the batch at once; otherwise ``None``.
         regions: Positions decoded as the region ``region_of`` asked for, not as the whole image.
-        padded: When set, a ``(B, Hmax, Wmax, 3)`` tensor holding each image of ``regions`` at the top
-            left of its row (the rest of a row is undefined), so a batch of crops can be resized at once.
-            ``threadloader._regions`` has the whole contract of region decoding.
+        padded: When set, a ``(B, Hmax, Wmax, 3)`` tensor holding the image of each position in
+            ``padded_rows`` at the top left of its row (the rest of a row is undefined), so images of
+            different sizes can be resized at once. ``threadloader._regions`` has the whole contract of
+            region decoding.
+        padded_rows: Positions whose image is the top-left corner of its row of ``padded``.
     """
 
     images: list[torch.Tensor | None]
@@ -62,6 +64,7 @@ class DecodedBatch:
     stacked: torch.Tensor | None = None
     regions: set[int] = field(default_factory=set)
     padded: torch.Tensor | None = None
+    padded_rows: set[int] = field(default_factory=set)
 
 
 class ImageDecoder(ABC):
@@ -74,6 +77,9 @@ class ImageDecoder(ABC):
     #: Where the decoded tensors live.
     device: torch.device
 
+    #: Whether :meth:`decode` takes ``pad=``: decoders written before it existed are called without it.
+    pads: bool = False
+
     @abstractmethod
     def decode(
         self,
@@ -82,6 +88,7 @@ class ImageDecoder(ABC):
         stream: torch.cuda.Stream | None,
         stats: StatsRecorder,
         region_of: RegionOf | None = None,
+        pad: bool = False,
     ) -> DecodedBatch:
         """Decodes a batch.
 
@@ -92,6 +99,9 @@ class ImageDecoder(ABC):
             stats: Where to add host time per stage.
             region_of: Lets a decoder that can decode part of an image (a random crop's region) ask
                 which part; decoders that cannot ignore it and decode the whole image.
+            pad: Given (as ``True``) only to decoders whose :attr:`pads` is set: the caller resizes the
+                images as one batch, so images of different sizes may be decoded into
+                ``DecodedBatch.padded``.
 
         Returns:
             One entry per input; a sample that cannot be decoded is reported in ``errors``, never raised.

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .._stats import StatsRecorder
-from ._jpeg import exif_orientation, has_end_marker, normalize_gray_sampling
+from ._jpeg import exif_orientation, has_end_marker, may_swap_sides, normalize_gray_sampling
 from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 from .pillow import decode_rgb
 
@@ -228,6 +228,7 @@ class _Parsed:
     wholes: dict[int, tuple[Any, tuple[int, int]]] = field(default_factory=dict)  # regions' whole images
     errors: dict[int, str] = field(default_factory=dict)  # over the pixel limit: nobody decodes them
     to_cpu: dict[int, str] = field(default_factory=dict)  # for Pillow, with the reason
+    swaps_sides: bool = False  # an image may come out with height and width swapped (EXIF)
     rewritten: list[Encoded] = field(default_factory=list)  # keeps rewritten bitstreams alive until decoded
 
 
@@ -287,6 +288,7 @@ class NvImageCodecDecoder(ImageDecoder):
         self.device = device
         self._max_pixels = max_pixels
         self._region_decode = region_decode
+        self.pads = True
         self._registry = registry
         self._gpu_decoders = gpu_decoders
         self._key = (device.index, backend, cpu_threads)
@@ -304,18 +306,21 @@ class NvImageCodecDecoder(ImageDecoder):
         stream: torch.cuda.Stream | None,
         stats: StatsRecorder,
         region_of: RegionOf | None = None,
+        pad: bool = False,
     ) -> DecodedBatch:
         """Decodes a batch on ``stream``; see :meth:`ImageDecoder.decode`.
 
         JPEGs are decoded as the region ``region_of`` asks for, when region decoding passed its check
         on this device; a region that fails is decoded whole (on the GPU, else by Pillow) and not
-        reported in ``regions``, so the caller crops it.
+        reported in ``regions``, so the caller crops it. With ``pad``, whole images of different sizes
+        are decoded into one padded tensor where it costs at most :data:`_PAD_MEMORY` times the memory
+        of the images themselves.
         """
         if stream is None:
             raise ValueError("NvImageCodecDecoder.decode needs the calling thread's CUDA stream")
         regions = region_of is not None and self._regions_work()
         with torch.cuda.stream(stream):
-            return self._decode_on(stream, encoded, stats, region_of if regions else None)
+            return self._decode_on(stream, encoded, stats, region_of if regions else None, pad)
 
     def _regions_work(self) -> bool:
         """Whether to decode regions: region decoding is on, and passed its check on this device."""
@@ -365,12 +370,14 @@ class NvImageCodecDecoder(ImageDecoder):
         encoded: Sequence[Encoded],
         stats: StatsRecorder,
         region_of: RegionOf | None,
+        pad: bool,
     ) -> DecodedBatch:
-        """The phases: parse and classify, allocate, decode under the lock, retry regions, fall back."""
+        """The phases: parse and classify, allocate, decode on leased Decoders, retry regions, fall back."""
         nv = self._nvimgcodec
         with stats.timed("parse"):
-            parsed = self._parse(encoded, region_of)
-            outputs = self._allocate(parsed.shapes, parsed.regions, len(encoded))
+            parsed = self._parse(encoded, region_of, pad)
+            pad_wholes = pad and not parsed.regions and not parsed.swaps_sides
+            outputs = self._allocate(parsed.shapes, parsed.regions, len(encoded), pad_wholes)
             positions = list(parsed.code_streams)
             handle = stream.cuda_stream
             # torch's own __cuda_array_interface__ costs far more per tensor than a plain description.
@@ -411,22 +418,22 @@ class NvImageCodecDecoder(ImageDecoder):
             regions.difference_update(reasons)  # Pillow decodes the whole image: the caller crops it
         if regions:
             stats.count("region_decodes", len(regions))
-        batch = DecodedBatch(
+        # Which images are their slots: a row of ``stacked``, or the top left of a ``padded`` row.
+        in_slots = {p for p, slot in outputs.slots.items() if images.get(p) is slot}
+        return DecodedBatch(
             images=[images.get(p) for p in range(len(encoded))],
             errors=errors,
-            stacked=outputs.stacked,
+            stacked=outputs.stacked if len(in_slots) == len(encoded) else None,
             regions=regions,
             padded=outputs.padded,
+            padded_rows=(regions if parsed.regions else in_slots) if outputs.padded is not None else set(),
         )
-        if batch.stacked is not None and not all(
-            image is not None and image.data_ptr() == row.data_ptr() and image.shape == row.shape
-            for image, row in zip(batch.images, batch.stacked, strict=True)
-        ):
-            batch.stacked = None
-        return batch
 
-    def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None) -> _Parsed:
-        """Reads each header: over the pixel limit, for Pillow, or the code stream (or region) to decode."""
+    def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None, pad: bool) -> _Parsed:
+        """Reads each header: over the pixel limit, for Pillow, or the code stream (or region) to decode.
+
+        With ``pad``, also whether a JPEG's EXIF may swap its sides, which a padded slot cannot hold.
+        """
         nv = self._nvimgcodec
         parsed = _Parsed()
         for position, data in enumerate(encoded):
@@ -453,6 +460,8 @@ class NvImageCodecDecoder(ImageDecoder):
             region = None
             if region_of is not None and codec == "jpeg":
                 region = _region((height, width), data, position, region_of)
+            elif pad and codec == "jpeg" and not parsed.swaps_sides:
+                parsed.swaps_sides = may_swap_sides(data)
             if region is None:
                 parsed.shapes[position] = (height, width)
             else:
@@ -544,14 +553,17 @@ class NvImageCodecDecoder(ImageDecoder):
             REGION_DECODE_ENV,
         )
 
-    def _allocate(self, shapes: dict[int, tuple[int, int]], regions: set[int], count: int) -> _Outputs:
+    def _allocate(
+        self, shapes: dict[int, tuple[int, int]], regions: set[int], count: int, pad: bool
+    ) -> _Outputs:
         """Allocates outputs with one allocation per batch.
 
         Rows of a ``(B, H, W, 3)`` tensor when all shapes agree: every row is returned, so a CPU
-        fallback of that shape fills its own. Regions of different sizes go to the top-left corners of
-        a padded ``(B, Hmax, Wmax, 3)`` tensor, which the crop's resize then reads as one batch without
-        copying each image (``threadloader._regions`` has that contract). Other images of different
-        sizes: views into one flat buffer.
+        fallback of that shape fills its own. Regions of different sizes, and with ``pad`` whole images
+        of different sizes where padding costs at most :data:`_PAD_MEMORY` times their own memory, go
+        to the top-left corners of a padded ``(B, Hmax, Wmax, 3)`` tensor, which the resize then reads
+        as one batch without copying each image (``threadloader._regions`` has that contract for
+        regions). Other images of different sizes: views into one flat buffer.
         """
         if not shapes:
             return _Outputs({})
@@ -559,9 +571,10 @@ class NvImageCodecDecoder(ImageDecoder):
             height, width = next(iter(shapes.values()))
             stacked = self._output_memory((count, height, width, 3))
             return _Outputs(dict(enumerate(stacked.unbind(0))), stacked=stacked)
-        if regions and len(regions) == len(shapes):
-            height = max(h for h, _ in shapes.values())
-            width = max(w for _, w in shapes.values())
+        height = max(h for h, _ in shapes.values())
+        width = max(w for _, w in shapes.values())
+        own = sum(h * w for h, w in shapes.values())
+        if (regions and len(regions) == len(shapes)) or (pad and count * height * width <= _PAD_MEMORY * own):
             padded = self._output_memory((count, height, width, 3))
             # as_strided: cheaper on the host than an indexing view, and it runs once per image
             strides, start = (width * 3, 3, 1), padded.storage_offset()
@@ -670,6 +683,10 @@ def _pixels_in(output: Any, buffer: torch.Tensor) -> torch.Tensor | None:
         return buffer.view(shape)
     return None
 
+
+#: Most memory a padded batch of whole images may take, as a multiple of the images' own: beyond it,
+#: images of very different sizes are decoded into a flat buffer and resized one by one.
+_PAD_MEMORY = 2.5
 
 #: Formats decoded on the GPU when they are plain 8-bit RGB; everything else goes to Pillow.
 _GPU_FORMATS = frozenset(["jpeg", "jpeg2k", "png", "bmp", "tiff", "webp"])

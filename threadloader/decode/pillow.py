@@ -136,8 +136,9 @@ class PillowDecoder(ImageDecoder):
         stream: torch.cuda.Stream | None,
         stats: StatsRecorder,
         region_of: RegionOf | None = None,
+        pad: bool = False,
     ) -> DecodedBatch:
-        """Decodes each whole image with Pillow; see :meth:`ImageDecoder.decode` (``region_of`` unused)."""
+        """Decodes each whole image with Pillow; see :meth:`ImageDecoder.decode` (regions, padding unused)."""
         batch = DecodedBatch(images=[])
         with stats.timed("decode"):
             for position, data in enumerate(encoded):
