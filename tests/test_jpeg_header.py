@@ -53,6 +53,11 @@ def test_sides_may_swap_for_orientations_5_to_8_and_unsure_exif() -> None:
         assert may_swap_sides(data) is swapped
         assert may_swap_sides(memoryview(data)) is swapped
     assert may_swap_sides(encode(photo(20, 30, 7), quality=90)) is False  # no EXIF at all
+    for orientation in (1, 6):  # EXIF after a header longer than the quick search: found by the walk
+        exif = with_orientation(photo(20, 30, 6), orientation)
+        app2 = b"\xff\xe2" + (40000).to_bytes(2, "big") + bytes(39998)  # an ICC profile's size
+        late = exif[:2] + 2 * app2 + exif[2:]
+        assert late.index(b"Exif") > 65536 and may_swap_sides(late) is (orientation == 6)
     broken = bytearray(_exif_jpeg(1, b"II"))
     broken[broken.index(b"II") : broken.index(b"II") + 2] = b"XX"  # EXIF that cannot be read: unsure
     assert may_swap_sides(bytes(broken)) is True

@@ -37,14 +37,15 @@ class PaddingDecoder(PillowDecoder):
         batch = super().decode(encoded, stream=stream, stats=stats)
         if not pad:
             return batch
-        height = max(image.shape[0] for image in batch.images)  # type: ignore[union-attr]
-        width = max(image.shape[1] for image in batch.images)  # type: ignore[union-attr]
+        decoded = {p: image for p, image in enumerate(batch.images) if image is not None}
+        height = max(image.shape[0] for image in decoded.values())
+        width = max(image.shape[1] for image in decoded.values())
         batch.padded = torch.full((len(encoded), height, width, 3), 255, dtype=torch.uint8)  # junk
-        for position, image in enumerate(batch.images):
-            h, w = image.shape[:2]  # type: ignore[union-attr]
+        for position, image in decoded.items():
+            h, w = image.shape[:2]
             batch.padded[position, :h, :w] = image
             batch.images[position] = batch.padded[position, :h, :w]
-        batch.padded_rows = set(range(len(encoded)))
+        batch.padded_rows = set(decoded)
         return batch
 
 
@@ -67,6 +68,22 @@ def test_a_padded_batch_is_resized_from_each_image_alone(decode_batch_size: int)
     assert sorted(got) == list(range(len(SAMPLES)))
     for target, image in got.items():
         torch.testing.assert_close(image, _expected(SAMPLES[target][0], (24, 32)), atol=2e-4, rtol=0)
+
+
+def test_a_padded_group_with_a_bad_sample_resizes_its_other_batches_from_the_padding() -> None:
+    # The second batch holds the bad sample (its images are resized one by one); the first and the
+    # last are read from the padded tensor; every image as the reference has it.
+    samples = [*SAMPLES[:4], (b"not an image", 99), *SAMPLES[4:]]
+    options = dict(batch_size=3, size=(24, 32), dtype=torch.float32, mean=MEAN, std=STD)
+    with ThreadLoader(
+        samples, decoder=PaddingDecoder(), decode_batch_size=9, on_error="skip", **options
+    ) as loader:
+        batches = [(images, targets.tolist()) for images, targets in loader]
+        assert loader.stats().skipped == 1
+    assert [targets for _, targets in batches] == [[0, 1, 2], [3, 4], [5, 6]]
+    for images, targets in batches:
+        for image, target in zip(images, targets, strict=True):
+            torch.testing.assert_close(image, _expected(SAMPLES[target][0], (24, 32)), atol=2e-4, rtol=0)
 
 
 def test_pad_is_asked_only_where_the_output_resizes_without_a_transform() -> None:

@@ -528,3 +528,38 @@ def test_the_loaders_readers_close_their_files_when_it_closes(shards: Path, blob
         check_pixels(images, blobs, targets.tolist())
     assert wait_for_no_reader_threads(10) == []
     assert [open_files(path) for path in paths] == [0, 0, 0]
+
+
+@needs_proc
+def test_all_threads_together_keep_at_most_max_open_total(
+    shards: Path, blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Many reader threads over many shards must not use up the process's descriptors: past the total,
+    # a thread closes its own oldest file before opening another (so each still holds at least one).
+    monkeypatch.setattr(threadloader._tar, "max_open_total", lambda: 2)
+    source = TarShards(pattern(shards))
+    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
+    peak: list[int] = []
+    start = threading.Barrier(3)
+
+    def read_all(offset: int) -> None:
+        start.wait()
+        for k in range(N):
+            i = (k * PER_SHARD + offset) % N  # a new shard almost every read
+            assert source[i][0].read() == blobs[i]
+            peak.append(sum(open_files(path) for path in paths))
+
+    threads = [threading.Thread(target=read_all, args=(t,)) for t in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert max(peak) <= 2 + 3  # the total, plus one per thread that held none when it was reached
+    assert [open_files(path) for path in paths] == [0, 0, 0]
+
+
+def test_a_source_of_shards_pickles_without_its_open_files(shards: Path, blobs: list[bytes]) -> None:
+    source = TarShards(pattern(shards))
+    assert source[0][0].read() == blobs[0]  # a file open in this thread
+    copy = pickle.loads(pickle.dumps(source))
+    assert [copy[i][0].read() for i in range(N)] == blobs

@@ -1,9 +1,9 @@
 """threadloader: GPU image loading for PyTorch with a pool of threads in one process.
 
-Reader threads read bytes and decode whole batches through one shared nvImageCodec decoder (calls
-serialized, each thread on its own CUDA stream) and hand them to the consumer's stream with an event:
-one CUDA context, no worker processes, no pickling. Without a GPU, Pillow decodes in the threads and
-the output is the same.
+Reader threads read bytes and decode whole batches through a small shared pool of nvImageCodec
+decoders (each called by one thread at a time, each thread on its own CUDA stream) and hand them to
+the consumer's stream with an event: one CUDA context, no worker processes, no pickling. Without a
+GPU, Pillow decodes in the threads and the output is the same.
 """
 
 from ._output import OutputFormat

@@ -39,8 +39,8 @@ def available_cpus() -> int:
 def default_num_threads(device: torch.device) -> int:
     """Default reader threads.
 
-    On the GPU decoding is serialized and the rest of a batch's work holds the GIL, so more threads
-    only contend: 2 were fastest (docs/benchmarks.md). On the CPU each thread decodes with the GIL
+    On the GPU the rest of a batch's work holds the GIL, so more threads only contend: 2 were fastest
+    (docs/benchmarks.md). On the CPU each thread decodes with the GIL
     released.
     """
     cpus = available_cpus()

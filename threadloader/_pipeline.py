@@ -92,8 +92,9 @@ class BatchProducer:
         """Makes consecutive batches with one decoder call, on ``reader``'s stream.
 
         Decoding several output batches at once keeps the GPU decoder on large batches (it is faster
-        per image) while the consumer gets the batch size it asked for. A group of random-crop regions
-        decoded into one padded tensor, with no failed sample, is also transformed and formatted at once
+        per image) while the consumer gets the batch size it asked for. A group decoded into one padded
+        tensor (random-crop regions, or images of different sizes), with no failed sample, is also
+        transformed and formatted at once
         (the transforms' host cost is mostly per call, not per image); each batch is then a copy of its
         rows, so it owns its memory as a batch formatted alone does.
 

@@ -108,6 +108,8 @@ Fetched: TypeAlias = "tuple[int, Encoded, Any]"
 _PATH, _BYTES, _DEFERRED, _PAIR, _OTHER = range(5)
 _KINDS: dict[type, int] = {str: _PATH, bytes: _BYTES, tuple: _PAIR, list: _PAIR}
 _MAX_KINDS = 1024  # types made on the fly would grow the table without bound: past this, not kept
+# Written by any reader thread without a lock, on purpose: a dict's get and set are each atomic, and two
+# threads that race both store the same kind for the same type.
 
 
 def _kind(cls: type) -> int:

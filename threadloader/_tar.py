@@ -141,15 +141,21 @@ class _Storage(Protocol):
 class _LocalStorage:
     """Local files, read with ``os.pread`` (no shared position to race on) on descriptors kept open.
 
-    Each thread keeps its own descriptors (:class:`_Handles`), up to :data:`MAX_OPEN_SHARDS`, so a
-    sample is one system call, not an open, a read and a close; only that thread uses or closes them,
-    so nothing can close a descriptor another thread is reading. They are closed when the thread ends
-    (a loader's reader threads end when it closes or its pass ends) or when this storage, which the
-    :class:`TarShards` and its members hold, is collected.
+    Each thread keeps its own descriptors (:class:`_Handles`), up to :data:`MAX_OPEN_SHARDS`, and all
+    threads together about :func:`max_open_total`, so a sample is one system call, not an open, a read
+    and a close; only that thread uses or closes them, so nothing can close a descriptor another thread
+    is reading. They are closed when the thread ends (a loader's reader threads end when it closes or
+    its pass ends) or when this storage, which the :class:`TarShards` and its members hold, is
+    collected; at interpreter exit they are left to the operating system, since a reader thread may
+    still be reading.
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
+
+    def __reduce__(self) -> tuple[type[_LocalStorage], tuple[()]]:
+        """Pickles without the open files: a copy in another process opens its own."""
+        return (_LocalStorage, ())
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
@@ -178,6 +184,33 @@ class _LocalStorage:
 #: Most shard files one thread keeps open per :class:`TarShards`; beyond it, the oldest one is closed.
 MAX_OPEN_SHARDS = 32
 
+#: Shard files kept open by all threads and sources together, and its lock.
+_open_total = 0
+_open_lock = threading.Lock()
+
+
+def max_open_total() -> int:
+    """Most shard files all threads keep open together: a quarter of the descriptor limit, at most 256.
+
+    So many reader threads over many shards never use up the descriptors everything else in the process
+    needs; a thread past it closes its oldest file first, so each thread still holds at least one.
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit here (Windows)
+        return 256
+    return 256 if soft == resource.RLIM_INFINITY else max(8, min(256, soft // 4))
+
+
+def _counted(change: int) -> int:
+    """Adds ``change`` to the shard files open process-wide; returns the new count."""
+    global _open_total
+    with _open_lock:
+        _open_total += change
+        return _open_total
+
 
 class _Handles:
     """One thread's open shard files, by path; closed when the thread ends or its storage goes away."""
@@ -186,18 +219,21 @@ class _Handles:
 
     def __init__(self) -> None:
         self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds)
+        weakref.finalize(self, _close_all, self.fds).atexit = False
 
     def open(self, path: str) -> int:
-        if len(self.fds) >= MAX_OPEN_SHARDS:
+        if self.fds and (len(self.fds) >= MAX_OPEN_SHARDS or _counted(0) >= max_open_total()):
             os.close(self.fds.pop(next(iter(self.fds))))  # the one opened first
+            _counted(-1)
         fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        _counted(1)
         return fd
 
 
 def _close_all(fds: dict[str, int]) -> None:
     while fds:
         os.close(fds.popitem()[1])
+        _counted(-1)
 
 
 class _FsspecStorage:

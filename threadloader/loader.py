@@ -100,9 +100,11 @@ class ThreadLoader:
             once, as DALI's decoder does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` or
             ``"cpu"`` (nvImageCodec's CPU decoder).
         decode_threads: nvImageCodec's own CPU threads; default: the cores the readers leave free.
-        gpu_decoders: Most nvImageCodec Decoders that decode at once on the device, each called by one
-            reader thread at a time; made only when the others are busy. Default: 2, the fastest
-            measured (docs/design.md). Ignored on the CPU.
+        gpu_decoders: Most nvImageCodec Decoders decoding at once for this configuration (device,
+            backend, ``decode_threads``), each called by one reader thread at a time; made only when
+            the others are busy. Pools are process-wide, shared by loaders of one configuration, and
+            random-crop regions have a pool of their own. Default: 2, the fastest measured
+            (docs/design.md). Ignored on the CPU.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches). Default 128 on a
             GPU, ``batch_size`` on the CPU (each Pillow thread decodes one batch).

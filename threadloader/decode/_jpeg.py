@@ -90,10 +90,12 @@ _EXIF_SEARCH = 65536
 def may_swap_sides(data: bytes | bytearray | memoryview) -> bool:
     """Whether a JPEG may be displayed with height and width swapped (EXIF orientation 5-8, or unsure).
 
-    A search for EXIF's signature first, in C: most files have none, and need no header walk.
+    A search for EXIF's signature first, in C: most files have none, and need no header walk. Where the
+    search finds neither it nor the start of the scan (FF DA), the header is longer than the search (a
+    large ICC profile or XMP before the EXIF, say): then the header is walked.
     """
     head = data if isinstance(data, (bytes, bytearray)) else bytes(data[:_EXIF_SEARCH])
-    if head.find(b"Exif\x00\x00", 0, _EXIF_SEARCH) < 0:
+    if head.find(b"Exif\x00\x00", 0, _EXIF_SEARCH) < 0 and head.find(b"\xff\xda", 0, _EXIF_SEARCH) >= 0:
         return False
     orientation = exif_orientation(data)
     return orientation is None or orientation >= 5

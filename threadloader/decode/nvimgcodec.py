@@ -228,7 +228,9 @@ class _Parsed:
     wholes: dict[int, tuple[Any, tuple[int, int]]] = field(default_factory=dict)  # regions' whole images
     errors: dict[int, str] = field(default_factory=dict)  # over the pixel limit: nobody decodes them
     to_cpu: dict[int, str] = field(default_factory=dict)  # for Pillow, with the reason
-    swaps_sides: bool = False  # an image may come out with height and width swapped (EXIF)
+    # An image may come out with height and width swapped, which a padded slot cannot hold: a JPEG whose
+    # EXIF says so or cannot be read, or another format (its orientation is not checked).
+    swaps_sides: bool = False
     rewritten: list[Encoded] = field(default_factory=list)  # keeps rewritten bitstreams alive until decoded
 
 
@@ -250,7 +252,7 @@ class _Decoded:
 
 
 class NvImageCodecDecoder(ImageDecoder):
-    """Decodes batches on one GPU through the shared nvImageCodec Decoder.
+    """Decodes batches on one GPU through the shared pool of nvImageCodec Decoders.
 
     Samples nvImageCodec cannot parse or returns ``None`` for are decoded with Pillow and uploaded, so
     they count as errors only when Pillow fails too.
@@ -262,8 +264,9 @@ class NvImageCodecDecoder(ImageDecoder):
         max_pixels: Images whose header declares more pixels are errors, decoded by nobody.
         region_decode: Decode the region a random crop asks for instead of the whole image (where the
             device passes the region check).
-        gpu_decoders: Most Decoders of this configuration that decode at once on the device; each is
-            called by one thread at a time.
+        gpu_decoders: Most Decoders this decoder makes for its configuration (device, backend, CPU
+            threads), each called by one thread at a time. The pool is process-wide: decoders of one
+            configuration share it, and regions have a pool of their own.
         registry: Where Decoders and region verdicts come from: the process's, unless a test brings
             its own.
     """
@@ -292,6 +295,8 @@ class NvImageCodecDecoder(ImageDecoder):
         self._registry = registry
         self._gpu_decoders = gpu_decoders
         self._key = (device.index, backend, cpu_threads)
+        # Made now, not by the first reader: a Decoder that cannot be made fails the constructor.
+        registry.release(self._key, registry.acquire(self._key, gpu_decoders))
         region_backend = REGION_BACKEND if backend in ("auto", "split") else backend
         self._region_key = (device.index, region_backend, cpu_threads)
         nv = self._nvimgcodec
@@ -335,11 +340,12 @@ class NvImageCodecDecoder(ImageDecoder):
         nv = self._nvimgcodec
         data = (resources.files("threadloader") / "_sample" / "astronaut.jpg").read_bytes()
         top, left, height, width = 37, 51, 101, 143
-        try:
-            with (
-                self._registry.lease(self._region_key, self._gpu_decoders) as decoder,
-                torch.cuda.device(self.device),
-            ):
+        # Leased outside the check: a Decoder that cannot be made is an error, not a verdict on regions.
+        with (
+            self._registry.lease(self._region_key, self._gpu_decoders) as decoder,
+            torch.cuda.device(self.device),
+        ):
+            try:
                 whole = decoder.decode(nv.CodeStream(data), params=self._params)
                 part = decoder.decode(
                     nv.CodeStream(data).get_sub_code_stream(
@@ -354,8 +360,8 @@ class NvImageCodecDecoder(ImageDecoder):
                     and float((got.float() - expected.float()).abs().mean()) <= 1.0
                 )
                 reason = "" if same else f"a {tuple(got.shape)} region differed from the crop"
-        except Exception as exc:
-            same, reason = False, f"{type(exc).__name__}: {exc}"
+            except Exception as exc:
+                same, reason = False, f"{type(exc).__name__}: {exc}"
         if not same:
             logger.warning(
                 "region decoding does not work on %s (%s); decoding whole images and cropping instead",
@@ -432,7 +438,7 @@ class NvImageCodecDecoder(ImageDecoder):
     def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None, pad: bool) -> _Parsed:
         """Reads each header: over the pixel limit, for Pillow, or the code stream (or region) to decode.
 
-        With ``pad``, also whether a JPEG's EXIF may swap its sides, which a padded slot cannot hold.
+        With ``pad``, also whether an image may come out with its sides swapped (``swaps_sides``).
         """
         nv = self._nvimgcodec
         parsed = _Parsed()
@@ -460,8 +466,8 @@ class NvImageCodecDecoder(ImageDecoder):
             region = None
             if region_of is not None and codec == "jpeg":
                 region = _region((height, width), data, position, region_of)
-            elif pad and codec == "jpeg" and not parsed.swaps_sides:
-                parsed.swaps_sides = may_swap_sides(data)
+            elif pad and not parsed.swaps_sides:
+                parsed.swaps_sides = codec != "jpeg" or may_swap_sides(data)
             if region is None:
                 parsed.shapes[position] = (height, width)
             else:
