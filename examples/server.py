@@ -18,20 +18,26 @@ its own CUDA stream; the decoded tensor is ready on it without a host sync. The 
 on Ctrl-C or SIGTERM.
 
 Bounds, each a constant below and a command-line option: the body's size (413 past it; Content-Length
-required, 411, and checked, 400), an idle socket's life (a client silent that long is dropped), open
-connections (503 past them), pixels per image (413, read from the header before decoding) and pixels
-being decoded at once across requests, which bounds decode memory (503 after waiting too long for
-room). Errors are answered with one line of JSON, never a traceback.
+required, 411, and checked, 400), an idle socket's life (a client silent that long is dropped), the time
+a whole request may take to arrive (``--request-timeout``, 30 s from the connection's accept or the
+previous reply: request line, headers and body; past it, 408 and the connection closed, so a client
+trickling a byte at a time cannot hold a connection for ever), open connections (503 past them),
+pixels per image (413, read from the header before decoding) and pixels being decoded at once across
+requests, which bounds decode memory (503 after waiting too long for room). Errors are answered with
+one line of JSON, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
+import math
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
@@ -57,6 +63,7 @@ MAX_BODY_MB = 32.0  # a larger body is refused (413) before it is read
 MAX_PIXELS = 50_000_000  # per image, from its header (about 8660 x 5770)
 MAX_PIXELS_IN_FLIGHT = 100_000_000  # decoded at once, all requests together: the decode-memory bound
 SOCKET_TIMEOUT_S = 10.0  # a client that sends nothing for this long is disconnected
+REQUEST_TIMEOUT_S = 30.0  # a request (line, headers, body) not all in by then: 408, disconnected
 MAX_CONNECTIONS = 256  # connections served at once (a thread each); more are answered 503
 DECODE_WAIT_S = 30.0  # longest a request waits for room among the pixels in flight (then 503)
 
@@ -67,6 +74,7 @@ class Limits:
     max_pixels: int = MAX_PIXELS
     max_pixels_in_flight: int = MAX_PIXELS_IN_FLIGHT
     socket_timeout_s: float = SOCKET_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
     decode_wait_s: float = DECODE_WAIT_S
 
@@ -220,6 +228,38 @@ class Server(ThreadingHTTPServer):
             self._connections.release()
 
 
+class DeadlineReader(io.RawIOBase):
+    """The connection's reads, each bounded by the idle timeout and together by the request's deadline.
+
+    A per-read timeout alone lets a client that sends one byte just before each timeout (slowloris) keep
+    its connection, and its slot among ``max_connections``, for ever; the deadline bounds the whole.
+    """
+
+    def __init__(self, sock: Any, *, idle_s: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._idle_s = idle_s
+        self.deadline = math.inf  # time.monotonic() by which the request must be in
+        self.expired = False  # a read ran past the deadline: the connection is to be dropped
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.expired = True
+            raise TimeoutError("the request's deadline passed")
+        try:
+            self._sock.settimeout(min(self._idle_s, left))
+            return int(self._sock.recv_into(buffer))
+        except TimeoutError:
+            self.expired = left <= self._idle_s  # the deadline, not the idle timeout, ended this wait
+            raise
+        finally:
+            self._sock.settimeout(self._idle_s)  # writes keep the idle timeout alone
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: load-test clients reuse their connection
     disable_nagle_algorithm = True  # else headers then body cost a 40 ms delayed-ACK round per reply
@@ -228,6 +268,23 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.limits.socket_timeout_s)  # each read and write; then dropped
+        self.rfile.close()  # the socket's own reader, replaced by one that keeps the request's deadline
+        self._reader = DeadlineReader(self.connection, idle_s=self.server.limits.socket_timeout_s)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        """One request, which must arrive whole within ``request_timeout_s``: else 408 and hang up.
+
+        The deadline starts when the server starts waiting for the request (the connection's accept, or
+        the previous reply on a kept-alive connection), so a kept-alive connection may serve any number."""
+        limit = self.server.limits.request_timeout_s
+        self._reader.deadline = time.monotonic() + limit
+        super().handle_one_request()  # a timeout there closes the connection (close_connection)
+        if self._reader.expired:  # the request was still arriving, so no final reply to it has been sent
+            self.connection.settimeout(0)  # sent only if the socket has room now: no waiting on the client
+            with suppress(OSError):
+                error = f"the request did not arrive whole within {limit:g} s: send it in one go"
+                self.connection.sendall(_response(408, {"error": error}))
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -315,8 +372,17 @@ def main(argv: list[str] | None = None) -> None:
         help="pixels decoded at once across requests (bounds decode memory); at least --max-pixels",
     )
     parser.add_argument("--timeout", type=float, default=SOCKET_TIMEOUT_S, help="seconds a client may idle")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help="seconds for a whole request (line, headers, body) to arrive, from the connection's accept "
+        "or the previous reply; past it: 408 and disconnected (however often the client sends a byte)",
+    )
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="more: 503")
     args = parser.parse_args(argv)
+    if not args.request_timeout > 0:
+        parser.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
     if args.max_pixels_in_flight < args.max_pixels:
         parser.error("--max-pixels-in-flight must be at least --max-pixels, or the largest images never fit")
 
@@ -331,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
             max_pixels=args.max_pixels,
             max_pixels_in_flight=args.max_pixels_in_flight,
             socket_timeout_s=args.timeout,
+            request_timeout_s=args.request_timeout,
             max_connections=args.max_connections,
         ),
     )

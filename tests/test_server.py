@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -142,6 +142,14 @@ def _handler_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if "process_request_thread" in t.name]
 
 
+def _wait_for_handlers(count: int) -> None:
+    """Until ``count`` connection threads are left: each gives its connection slot back as it ends."""
+    deadline = time.monotonic() + CLIENT_TIMEOUT
+    while len(_handler_threads()) > count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_handler_threads()) == count
+
+
 @pytest.mark.parametrize(
     "partial",
     [b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789", b"POST /pre"],
@@ -156,11 +164,94 @@ def test_a_half_open_request_times_out(partial: bytes) -> None:
             started = time.monotonic()
             assert sock.recv(1024) == b""  # the server hung up (this client's own timeout is 5 s)
             waited = time.monotonic() - started
-        deadline = time.monotonic() + CLIENT_TIMEOUT
-        while len(_handler_threads()) > before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(_handler_threads()) == before  # its thread is gone too
+        _wait_for_handlers(before)  # its thread is gone too
     assert timeout * 0.9 <= waited < timeout + 2
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """All the server sends until it hangs up; a reset ends it too (it closed with bytes unread)."""
+    data = b""
+    with suppress(ConnectionResetError):
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+TRICKLED = {
+    "request-line": b"GET /",
+    "headers": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+    "body": b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("part", list(TRICKLED))
+def test_a_trickled_request_is_dropped_at_its_deadline(part: str) -> None:
+    """A slowloris: one byte every 0.2 s never trips the 1 s idle timeout, but the request's 1.5 s
+    deadline drops it (408, or a bare hang-up when its last byte was still unread) and frees its slot."""
+    deadline = 1.5
+    with running(socket_timeout_s=1.0, request_timeout_s=deadline, max_connections=1) as server:
+        before = len(_handler_threads())
+        stop = threading.Event()
+        with connect(server) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each byte goes out at once
+            started = time.monotonic()
+            sock.sendall(TRICKLED[part])
+
+            def trickle() -> None:
+                with suppress(OSError):  # the server hung up
+                    while not stop.wait(0.2):
+                        sock.sendall(b"a")
+
+            trickler = threading.Thread(target=trickle)
+            trickler.start()
+            try:
+                assert exchange(server, b"GET /health HTTP/1.1\r\n\r\n")[0] == 503  # it holds the slot
+                sock.settimeout(deadline + 1.5)
+                answer = _read_until_closed(sock)
+                waited = time.monotonic() - started
+            finally:
+                stop.set()
+                trickler.join(CLIENT_TIMEOUT)
+        _wait_for_handlers(before)
+        assert exchange(server, b"GET /health HTTP/1.1\r\n\r\n")[0] == 200  # the slot is free again
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert deadline * 0.9 <= waited < deadline + 1.0
+
+
+def test_a_request_past_its_deadline_is_answered_408() -> None:
+    """Silent past the deadline but within the idle timeout: nothing is left unread, so the 408 arrives."""
+    deadline = 0.5
+    with running(socket_timeout_s=CLIENT_TIMEOUT, request_timeout_s=deadline) as server:
+        started = time.monotonic()
+        status, reply = exchange(
+            server, b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n01"
+        )
+        waited = time.monotonic() - started
+    assert (status, reply) == (
+        408,
+        {"error": "the request did not arrive whole within 0.5 s: send it in one go"},
+    )
+    assert deadline * 0.9 <= waited < deadline + 1.0
+
+
+def test_the_deadline_is_per_request_on_a_kept_alive_connection() -> None:
+    """Requests on one connection for longer than the deadline are all served: it bounds each request."""
+    deadline = 0.5
+    with running(request_timeout_s=deadline) as server:
+        connection = http.client.HTTPConnection(HOST, port_of(server), timeout=CLIENT_TIMEOUT)
+        statuses, sockets = [], set()
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 2 * deadline:
+                connection.request("POST", "/predict", GOOD)
+                response = connection.getresponse()
+                statuses.append(response.status)
+                response.read()
+                sockets.add(id(connection.sock))
+                time.sleep(deadline / 4)  # idle between requests, counted in the next one's time
+        finally:
+            connection.close()
+    assert len(statuses) >= 4 and set(statuses) == {200} and len(sockets) == 1  # one connection throughout
 
 
 def test_connections_are_bounded() -> None:
@@ -245,3 +336,10 @@ def test_error_replies_carry_no_internals(capsys: pytest.CaptureFixture[str]) ->
     assert [m for m in messages if HEAP_ADDRESS.search(m) or "Traceback" in m] == []
     assert internal == (500, {"error": "internal error"})
     assert "secret" in capsys.readouterr().err  # the details are in the server's own log
+
+
+def test_a_request_timeout_that_is_not_positive_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        server_module.main(["--request-timeout", "0"])
+    assert exit_.value.code == 2
+    assert "--request-timeout must be a positive number of seconds, got 0.0" in capsys.readouterr().err
