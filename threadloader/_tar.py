@@ -204,12 +204,18 @@ def max_open_total() -> int:
     return 256 if soft == resource.RLIM_INFINITY else max(8, min(256, soft // 4))
 
 
-def _counted(change: int) -> int:
-    """Adds ``change`` to the shard files open process-wide; returns the new count."""
+def _counted(change: int, *, limit: int | None = None) -> bool:
+    """Adds ``change`` to the shard files open process-wide, unless that passes ``limit``.
+
+    Counted before a file is opened and after it is closed, so the files open are never more than the
+    count.
+    """
     global _open_total
     with _open_lock:
+        if limit is not None and _open_total + change > limit:
+            return False
         _open_total += change
-        return _open_total
+        return True
 
 
 class _Handles:
@@ -222,12 +228,23 @@ class _Handles:
         weakref.finalize(self, _close_all, self.fds).atexit = False
 
     def open(self, path: str) -> int:
-        if self.fds and (len(self.fds) >= MAX_OPEN_SHARDS or _counted(0) >= max_open_total()):
-            os.close(self.fds.pop(next(iter(self.fds))))  # the one opened first
+        if len(self.fds) >= MAX_OPEN_SHARDS:
+            self._close_oldest()
+        # Past the process-wide budget, close one of this thread's own first; a thread holding none
+        # opens one anyway, so it can always read.
+        while not _counted(1, limit=max_open_total() if self.fds else None):
+            self._close_oldest()
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except BaseException:
             _counted(-1)
-        fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        _counted(1)
+            raise
+        self.fds[path] = fd
         return fd
+
+    def _close_oldest(self) -> None:
+        os.close(self.fds.pop(next(iter(self.fds))))  # the one opened first
+        _counted(-1)
 
 
 def _close_all(fds: dict[str, int]) -> None:
