@@ -18,6 +18,7 @@ from threadloader.transforms import (
     RandomResizedCrop,
     Resize,
     ToDtype,
+    functional,
 )
 from threadloader.transforms.functional import resample_many
 
@@ -147,6 +148,26 @@ def test_transforms_on_cuda_tensors_match_the_cpu() -> None:
     batched_cpu = resample_many(others, regions, (24, 24))
     batched_gpu = resample_many([o.cuda() for o in others], regions, (24, 24)).cpu()
     assert (batched_gpu.int() - batched_cpu.int()).abs().max() <= 1
+
+
+def test_batched_resampling_in_chunks_matches_each_image_resized_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large batches are resampled in chunks of bounded memory, with the weights built once for all:
+    each image's rows must still get its own weights. The reference is torch's resize of each crop
+    on the CPU (``resample_many``'s CPU path), in uint8 and in float."""
+    sizes = ((40, 60), (90, 33), (75, 101), (64, 64), (33, 90))
+    others = [torch.from_numpy(photo(h, w, 10 + i)).permute(2, 0, 1) for i, (h, w) in enumerate(sizes)]
+    regions = [(0, 0, 40, 60), (10, 3, 50, 20), (5, 7, 60, 80), (0, 0, 64, 64), (3, 10, 30, 70)]
+    expected = resample_many(others, regions, (24, 28))
+    expected_float = resample_many(others, regions, (24, 28), dtype=torch.float32)
+    padded = 3 * 90 * 101  # one image of the padded size
+    for per_chunk in (1, 2, 5):
+        monkeypatch.setattr(functional, "_RESAMPLE_ELEMENTS", per_chunk * padded)
+        on_gpu = resample_many([o.cuda() for o in others], regions, (24, 28)).cpu()
+        assert (on_gpu.int() - expected.int()).abs().max() <= 1, per_chunk
+        as_float = resample_many([o.cuda() for o in others], regions, (24, 28), dtype=torch.float32).cpu()
+        torch.testing.assert_close(as_float, expected_float, rtol=0, atol=1e-3, msg=str(per_chunk))
 
 
 def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest.LogCaptureFixture) -> None:

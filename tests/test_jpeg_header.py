@@ -1,8 +1,14 @@
 import random
 
 import numpy as np
+import pytest
 
-from threadloader.decode._jpeg import exif_orientation, may_swap_sides, normalize_gray_sampling
+from threadloader.decode._jpeg import (
+    exif_orientation,
+    has_end_marker,
+    may_swap_sides,
+    normalize_gray_sampling,
+)
 
 from .conftest import encode, photo, pil_reference, with_gray_sampling, with_orientation
 
@@ -58,6 +64,10 @@ def test_sides_may_swap_for_orientations_5_to_8_and_unsure_exif() -> None:
         app2 = b"\xff\xe2" + (40000).to_bytes(2, "big") + bytes(39998)  # an ICC profile's size
         late = exif[:2] + 2 * app2 + exif[2:]
         assert late.index(b"Exif") > 65536 and may_swap_sides(late) is (orientation == 6)
+    # Bytes FF DA inside a segment before the EXIF (a thumbnail's, say) are not the start of the scan.
+    decoy = b"\xff\xe0" + (8).to_bytes(2, "big") + b"JFXX\xff\xda"
+    exif = with_orientation(photo(20, 30, 6), 6)
+    assert may_swap_sides(exif[:2] + decoy + exif[2:]) is True
     broken = bytearray(_exif_jpeg(1, b"II"))
     broken[broken.index(b"II") : broken.index(b"II") + 2] = b"XX"  # EXIF that cannot be read: unsure
     assert may_swap_sides(bytes(broken)) is True
@@ -100,3 +110,17 @@ def test_regions_are_asked_for_in_the_displayed_frame() -> None:
     assert _region((20, 30), encode(photo(20, 30, 9), quality=90), 0, whole) is None
     # A header without a height (DNL-style): nothing to draw a crop from, so the whole image.
     assert _region((0, 30), encode(photo(20, 30, 9), quality=90), 0, region_of) is None
+
+
+def test_end_marker_is_looked_for_in_the_tail_only() -> None:
+    data = encode(photo(40, 60, 9), quality=90)
+    whole = (data, memoryview(data), bytearray(data), data + b"motion photo", memoryview(data + b"x"))
+    for blob in whole:
+        assert has_end_marker(blob) is True
+    cut = data[: len(data) // 2]
+    with pytest.raises(OSError):  # Pillow, the reference: a file cut in half is truncated
+        pil_reference(cut)
+    for blob in (cut, memoryview(cut), bytearray(cut), b"", b"\xff"):
+        assert has_end_marker(blob) is False
+    assert has_end_marker(data + bytes(2000)) is False  # past the tail that is searched
+    assert has_end_marker(data + bytes(2000), tail=4096) is True

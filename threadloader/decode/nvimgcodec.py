@@ -228,9 +228,10 @@ class _Parsed:
     wholes: dict[int, tuple[Any, tuple[int, int]]] = field(default_factory=dict)  # regions' whole images
     errors: dict[int, str] = field(default_factory=dict)  # over the pixel limit: nobody decodes them
     to_cpu: dict[int, str] = field(default_factory=dict)  # for Pillow, with the reason
-    # An image may come out with height and width swapped, which a padded slot cannot hold: a JPEG whose
-    # EXIF says so or cannot be read, or another format (its orientation is not checked).
-    swaps_sides: bool = False
+    # Whole images that may come out with height and width swapped, which a padded slot cannot hold: a
+    # JPEG whose EXIF says so or cannot be read, or another format (its orientation is not checked).
+    # Only their results' shapes are read back: each read is a GIL round trip into nvImageCodec.
+    may_swap: set[int] = field(default_factory=set)
     rewritten: list[Encoded] = field(default_factory=list)  # keeps rewritten bitstreams alive until decoded
 
 
@@ -381,8 +382,8 @@ class NvImageCodecDecoder(ImageDecoder):
         """The phases: parse and classify, allocate, decode on leased Decoders, retry regions, fall back."""
         nv = self._nvimgcodec
         with stats.timed("parse"):
-            parsed = self._parse(encoded, region_of, pad)
-            pad_wholes = pad and not parsed.regions and not parsed.swaps_sides
+            parsed = self._parse(encoded, region_of)
+            pad_wholes = pad and not parsed.regions and not parsed.may_swap
             outputs = self._allocate(parsed.shapes, parsed.regions, len(encoded), pad_wholes)
             positions = list(parsed.code_streams)
             handle = stream.cuda_stream
@@ -398,6 +399,7 @@ class NvImageCodecDecoder(ImageDecoder):
             [(key, chosen, [wrapped_of[p] for p in chosen]) for key, chosen in calls if chosen],
             parsed.code_streams,
             outputs.slots,
+            parsed.may_swap,
             handle,
             stats,
         )
@@ -435,10 +437,10 @@ class NvImageCodecDecoder(ImageDecoder):
             padded_rows=(regions if parsed.regions else in_slots) if outputs.padded is not None else set(),
         )
 
-    def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None, pad: bool) -> _Parsed:
+    def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None) -> _Parsed:
         """Reads each header: over the pixel limit, for Pillow, or the code stream (or region) to decode.
 
-        With ``pad``, also whether an image may come out with its sides swapped (``swaps_sides``).
+        Also which whole images may come out with their sides swapped (``may_swap``).
         """
         nv = self._nvimgcodec
         parsed = _Parsed()
@@ -466,8 +468,8 @@ class NvImageCodecDecoder(ImageDecoder):
             region = None
             if region_of is not None and codec == "jpeg":
                 region = _region((height, width), data, position, region_of)
-            elif pad and not parsed.swaps_sides:
-                parsed.swaps_sides = codec != "jpeg" or may_swap_sides(data)
+            if region is None and (codec != "jpeg" or may_swap_sides(data)):
+                parsed.may_swap.add(position)
             if region is None:
                 parsed.shapes[position] = (height, width)
             else:
@@ -486,13 +488,15 @@ class NvImageCodecDecoder(ImageDecoder):
         calls: list[tuple[DecoderKey, list[int], list[Any]]],
         code_streams: dict[int, Any],
         slots: dict[int, torch.Tensor],
+        may_swap: set[int],
         handle: int,
         stats: StatsRecorder,
     ) -> _Decoded:
         """Calls a leased Decoder of each configuration with its positions and outputs.
 
-        A sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting
-        for a free Decoder is the ``decode_lock`` stage.
+        A sample a Decoder gives up on gets ``None`` and a reason, for Pillow. Only the positions in
+        ``may_swap`` can come out in another shape than their slot's, so only their shapes are read. The
+        time spent waiting for a free Decoder is the ``decode_lock`` stage.
         """
         decoded = _Decoded()
         for key, positions, outputs in calls:
@@ -511,7 +515,10 @@ class NvImageCodecDecoder(ImageDecoder):
                     results = [None] * len(positions)
                     decoded.reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
                 for position, result in zip(positions, results, strict=True):
-                    pixels = _pixels_in(result, slots[position])
+                    if result is not None and position not in may_swap:
+                        pixels = slots[position]
+                    else:
+                        pixels = _pixels_in(result, slots[position])
                     if pixels is None:
                         decoded.reasons.setdefault(position, "nvImageCodec returned no image")
                     decoded.images[position] = pixels
@@ -534,6 +541,7 @@ class NvImageCodecDecoder(ImageDecoder):
             [(self._key, failed, retry)],
             {p: wholes[p][0] for p in failed},
             whole_slots,
+            set(failed),  # whole images now: their EXIF was not checked for it
             handle,
             stats,
         )

@@ -143,24 +143,46 @@ def resample_many(
             raise ValueError(f"region {region} is not inside an image of size {(image_height, image_width)}")
     if images[0].device.type == "cpu":
         return _resample_each(images, regions, size, antialias, dtype)
-    height = max(h for h, _ in sizes)
-    width = max(w for _, w in sizes)
-    channels = images.shape[-3] if isinstance(images, torch.Tensor) else images[0].shape[-3]
-    step = max(1, _RESAMPLE_ELEMENTS // (channels * height * width))
-    parts = [
-        _resample(images[start : start + step], regions[start : start + step], size, antialias, dtype)
-        for start in range(0, len(images), step)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return _resample_batched(images, regions, sizes, size, antialias, dtype)
 
 
-def _resample(
+def _resample_batched(
     images: Images,
     regions: Sequence[Region],
+    sizes: Sequence[tuple[int, int]],
     size: tuple[int, int],
     antialias: bool,
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
+    """:func:`resample_many` on the GPU: matrix products, in chunks of bounded memory.
+
+    Runs on any device; the CPU tests call it directly, as CI has no GPU.
+    """
+    height = max(h for h, _ in sizes)
+    width = max(w for _, w in sizes)
+    channels = images.shape[-3] if isinstance(images, torch.Tensor) else images[0].shape[-3]
+    target = dtype or images[0].dtype
+    compute = torch.float64 if torch.float64 in (images[0].dtype, target) else torch.float32
+    # The weights of every image at once: building them is some twenty small kernels, each a GIL round
+    # trip for the calling thread, so once per call rather than once per chunk.
+    (out_h, out_w) = size
+    spans = [(top, h, out_h) for top, _, h, _ in regions] + [(left, w, out_w) for _, left, _, w in regions]
+    on_device = _to_device(torch.tensor(spans, dtype=compute), images[0].device)
+    weights = _filter_weights(on_device, max(out_h, out_w), max(height, width), antialias)
+    count = len(images)
+    step = max(1, _RESAMPLE_ELEMENTS // (channels * height * width))
+    parts = []
+    for start in range(0, count, step):
+        end = min(start + step, count)
+        rows, columns = weights[start:end, :out_h], weights[count + start : count + end, :out_w]
+        parts.append(_resample(images[start:end], rows, columns, compute, target))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _resample(
+    images: Images, rows: torch.Tensor, columns: torch.Tensor, compute: torch.dtype, target: torch.dtype
+) -> torch.Tensor:
+    """Resamples a chunk of images with its weights, ``rows`` ``(B, out_h, >=H)`` and ``columns``."""
     if isinstance(images, torch.Tensor):
         hwc = images.permute(0, 2, 3, 1)  # decoded batches are HWC memory: then a view
     elif all(image.shape == images[0].shape for image in images):
@@ -175,21 +197,13 @@ def _resample(
         )
         for row, image in zip(hwc, images, strict=True):
             row[: image.shape[-2], : image.shape[-1]].copy_(image.permute(1, 2, 0))
-    target = dtype or hwc.dtype
-    compute = torch.float64 if torch.float64 in (hwc.dtype, target) else torch.float32
     batch, height, width, channels = hwc.shape
-    (out_h, out_w) = size
-    # One call builds the weights of both axes: (top, height, out_h) per region, then (left, width, out_w).
-    spans = [(top, h, out_h) for top, _, h, _ in regions] + [(left, w, out_w) for _, left, _, w in regions]
-    on_device = _to_device(torch.tensor(spans, dtype=compute), hwc.device)
-    weights = _filter_weights(on_device, max(out_h, out_w), max(height, width), antialias)
-    rows = weights[:batch, :out_h, :height]  # (B, out_h, H)
-    columns = weights[batch:, :out_w, :width]  # (B, out_w, W)
+    out_h, out_w = rows.shape[1], columns.shape[1]
     # Two batched products over (B, H, W*C) views: rows first, then columns after one transpose.
     work = hwc.reshape(batch, height, width * channels).to(compute)
-    tall = torch.bmm(rows, work).view(batch, out_h, width, channels)
+    tall = torch.bmm(rows[:, :, :height], work).view(batch, out_h, width, channels)
     wide = tall.transpose(1, 2).reshape(batch, width, out_h * channels)
-    out = torch.bmm(columns, wide).view(batch, out_w, out_h, channels).permute(0, 3, 2, 1)
+    out = torch.bmm(columns[:, :, :width], wide).view(batch, out_w, out_h, channels).permute(0, 3, 2, 1)
     if not target.is_floating_point:
         out = out.round_().clamp_(0, 255)
     return out.to(target)
