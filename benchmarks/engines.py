@@ -144,7 +144,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name} set, {args.count} images, batches of {args.batch}:", flush=True)
         root = ensure_dataset(name, count=args.count)
         report["sets"][name] = engine_rows(
-            root, count=args.count, batch=args.batch, specs=args.engines.split(","),
+            root,
+            count=args.count,
+            batch=args.batch,
+            specs=args.engines.split(","),
             pools=[int(n) for n in args.decoders.split(",")],
         )
     if args.out:

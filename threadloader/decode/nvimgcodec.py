@@ -515,9 +515,8 @@ class NvImageCodecDecoder(ImageDecoder):
                     results = [None] * len(positions)
                     decoded.reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
                 for position, result in zip(positions, results, strict=True):
-                    if result is not None and position not in may_swap:
-                        pixels = slots[position]
-                    else:
+                    pixels: torch.Tensor | None = slots[position]
+                    if result is None or position in may_swap:
                         pixels = _pixels_in(result, slots[position])
                     if pixels is None:
                         decoded.reasons.setdefault(position, "nvImageCodec returned no image")

@@ -149,7 +149,7 @@ def resample_many(
 def _resample_batched(
     images: Images,
     regions: Sequence[Region],
-    sizes: Sequence[tuple[int, int]],
+    sizes: Sequence[tuple[int, ...]],
     size: tuple[int, int],
     antialias: bool,
     dtype: torch.dtype | None,
