@@ -105,3 +105,22 @@ def test_reader_cost_reports_each_stage_per_source(tmp_path: Path) -> None:
         stages = ("fetch", "read", "decode", "split", "other")
         assert row["total"] == pytest.approx(sum(row[stage] for stage in stages))
     assert "| tar |" in result.stdout
+
+
+def test_gil_releases_are_counted_per_stage(tmp_path: Path) -> None:
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("benchmarks.gil_releases builds its audit library with a C compiler")
+    out = tmp_path / "out"
+    args = ["--quick", "--device", "cpu", "--pipelines", "fixed,varied", "--out", str(out)]
+    result = run_benchmark("benchmarks.gil_releases", args, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads((out / "gil_releases.json").read_text())["rows"]
+    assert [row["pipeline"] for row in rows] == ["fixed", "varied"]
+    for row in rows:
+        # Pillow's decode and torch's resize and normalize release the GIL (extension modules' calls).
+        assert row["per_image"] > 1, row
+        assert row["stages"]["decode, in all"] > 0 and row["stages"]["transform + format"] > 0, row
+        assert row["stages"]["reader, in all"] >= row["stages"]["transform + format"], row
+    assert "| **whole process** |" in (out / "gil_releases.md").read_text()
