@@ -52,7 +52,7 @@ class GilRow:
     """One (switch interval, background load, op kind) measurement."""
 
     switch_interval_ms: float
-    background: str
+    background: str  # "threadloader" (with its engine: "threadloader[capi]"), "decode" or "spin"
     ops: str
     op_us_alone: float
     op_us_beside: float
@@ -128,7 +128,9 @@ def _decode(blobs: list[bytes], device: str) -> Callable[[threading.Event, Backg
     return on_gpu if device == "cuda" else on_cpu
 
 
-def _threadloader(root: Path, device: str, batch_size: int) -> Callable[[threading.Event, Background], None]:
+def _threadloader(
+    root: Path, device: str, batch_size: int, engine: str | None
+) -> Callable[[threading.Event, Background], None]:
     def run(stop: threading.Event, counter: Background) -> None:
         stream = loaders.threadloader(
             root,
@@ -138,6 +140,7 @@ def _threadloader(root: Path, device: str, batch_size: int) -> Callable[[threadi
             device=device,
             normalize=True,
             channels_last=True,
+            engine=engine,
         )
         try:
             for images, _ in stream:
@@ -179,17 +182,23 @@ def measure(args: argparse.Namespace) -> list[GilRow]:
     """Every (interval, background, ops) row; the switch interval is restored afterwards."""
     files = list_images(args.root)
     blobs = [path.read_bytes() for path, _ in files]
-    loads = {
-        "threadloader": _threadloader(args.root, args.device, args.batch_size),
-        "decode": _decode(blobs, args.device),
-        "spin": _spin,
-    }
+    loads: dict[str, Callable[[threading.Event, Background], None]] = {}
+    for name in args.backgrounds:
+        if name != "threadloader":
+            loads[name] = _decode(blobs, args.device) if name == "decode" else _spin
+        elif args.device != "cuda":
+            loads[name] = _threadloader(args.root, args.device, args.batch_size, None)
+        else:  # each engine a row: nvImageCodec's C API (the default) and its Python API
+            for engine in args.engines:
+                loads[f"threadloader[{engine}]"] = _threadloader(
+                    args.root, args.device, args.batch_size, engine
+                )
     previous, rows = sys.getswitchinterval(), []
     try:
         for interval in args.switch_intervals:
             sys.setswitchinterval(interval)
             alone = {ops: _op_us_alone(ops, args.seconds) for ops in args.ops}
-            for name in args.backgrounds:
+            for name in loads:
                 counts = name != "spin"
                 load = Background(loads[name])
                 try:
@@ -271,6 +280,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="sys.setswitchinterval values in seconds (default 0.005,0.0001)",
     )
     p.add_argument("--backgrounds", type=_names(BACKGROUNDS), default=list(BACKGROUNDS))
+    p.add_argument(
+        "--engines", type=_names(("capi", "python")), default=["capi", "python"],
+        help="nvImageCodec's C API, its Python API: a threadloader row each on a GPU (default both)",
+    )  # fmt: skip
     p.add_argument("--ops", type=_names(OPS), help="cpu,cuda (default: cuda too on a GPU)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--out", type=Path, help="write gil.md and gil.json here")

@@ -171,10 +171,15 @@ def measure(args: argparse.Namespace, count: Callable[[], int]) -> list[dict[str
         raise RuntimeError("the audit library counted no GIL release: LD_AUDIT is not honoured here")
     totals: Counter[str] = Counter()
     _wrap_stages(count, totals)
+    from benchmarks.loaders import with_engine
+
     rows = []
-    for pipeline in args.pipelines:
+    engines = args.engines if args.device == "cuda" else [None]
+    for pipeline, engine in ((p, e) for p in args.pipelines for e in engines):
         root = ensure_dataset("fixed" if pipeline == "fixed" else "varied", count=args.count)
-        with ThreadLoader(root, **_loader_kwargs(pipeline, args.device, args.batch_size)) as loader:
+        with with_engine(engine):
+            loader = ThreadLoader(root, **_loader_kwargs(pipeline, args.device, args.batch_size))
+        with loader:
             batches = _batches(loader)
             for _ in range(args.warmup):
                 next(batches)
@@ -187,7 +192,8 @@ def measure(args: argparse.Namespace, count: Callable[[], int]) -> list[dict[str
             total = count() - start
         rows.append(
             {
-                "pipeline": pipeline,
+                "pipeline": pipeline if engine is None else f"{pipeline}[{engine}]",
+                "engine": engine,
                 "device": args.device,
                 "images": images,
                 "per_image": total / images,
@@ -216,6 +222,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     assert __doc__ is not None
     p = argparse.ArgumentParser(prog="python -m benchmarks.gil_releases", description=__doc__.splitlines()[0])
     p.add_argument("--pipelines", type=_names(PIPELINES), default=list(PIPELINES))
+    p.add_argument(
+        "--engines", type=_names(("capi", "python")), default=["capi", "python"],
+        help="on a GPU, nvImageCodec's C API and its Python API: a column each (default both)",
+    )  # fmt: skip
     p.add_argument("--count", type=int, help="images in each set (default 2000; --quick 32)")
     p.add_argument("--batch-size", type=int, help="default 64; --quick 8")
     p.add_argument("--warmup", type=int, default=5, help="batches before counting (default 5)")

@@ -9,7 +9,9 @@ std in the ``--augment`` rows and where ``normalize`` is set), int64 targets, on
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -428,6 +430,25 @@ THREADLOADER_ROW_ARGUMENTS = frozenset(
 """ThreadLoader's arguments that the rows set themselves: what makes rows the same work, or differ."""
 
 
+@contextlib.contextmanager
+def with_engine(engine: str | None) -> Iterator[None]:
+    """``THREADLOADER_CAPI`` set for ``engine`` while a loader is built (it is read then), then restored."""
+    if engine is None:
+        yield
+        return
+    from threadloader.decode.nvimgcodec import CAPI_ENV
+
+    previous = os.environ.get(CAPI_ENV)
+    os.environ[CAPI_ENV] = "1" if engine == "capi" else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[CAPI_ENV]
+        else:
+            os.environ[CAPI_ENV] = previous
+
+
 def threadloader(
     root: Path,
     *,
@@ -440,29 +461,34 @@ def threadloader(
     normalize: bool = False,
     channels_last: bool = False,
     options: Mapping[str, Any] | None = None,
+    engine: str | None = None,
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
     With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``
     is off (then whole images are decoded and cropped: the comparison row). ``normalize``: ImageNet's
     mean and std. ``options``: more keyword arguments for ``ThreadLoader`` (``--threadloader-options``),
-    none of :data:`THREADLOADER_ROW_ARGUMENTS`.
+    none of :data:`THREADLOADER_ROW_ARGUMENTS`. ``engine``: ``"capi"`` or ``"python"``, nvImageCodec's
+    C API or its Python API (``THREADLOADER_CAPI``, as a user chooses it); ``None``: the default.
     """
     module = import_optional("threadloader")
-    with module.ThreadLoader(
-        root,
-        **(options or {}),
-        batch_size=batch_size,
-        drop_last=True,  # full batches only, as the other rows' endless batch samplers give
-        num_threads=num_threads,
-        size=size,
-        dtype=torch.float32,
-        mean=IMAGENET_MEAN if augment or normalize else None,
-        std=IMAGENET_STD if augment or normalize else None,
-        device=device,
-        transform=_augmentation(size) if augment else None,
-        channels_last=channels_last,
-        region_decode=region_decode,
-    ) as loader:
+    with (
+        with_engine(engine),
+        module.ThreadLoader(
+            root,
+            **(options or {}),
+            batch_size=batch_size,
+            drop_last=True,  # full batches only, as the other rows' endless batch samplers give
+            num_threads=num_threads,
+            size=size,
+            dtype=torch.float32,
+            mean=IMAGENET_MEAN if augment or normalize else None,
+            std=IMAGENET_STD if augment or normalize else None,
+            device=device,
+            transform=_augmentation(size) if augment else None,
+            channels_last=channels_last,
+            region_decode=region_decode,
+        ) as loader,
+    ):
         for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
             yield images, targets.to(device, non_blocking=True)

@@ -55,8 +55,8 @@ class InstantDecoder(ImageDecoder):
 
     def __init__(self, side: int) -> None:
         self.device = torch.device("cpu")
+        self._side = side
         self._stacked = torch.zeros(0, side, side, 3, dtype=torch.uint8)
-        self._rows: list[torch.Tensor | None] = []
         self._lock = threading.Lock()
 
     def decode(
@@ -64,15 +64,16 @@ class InstantDecoder(ImageDecoder):
         encoded: Sequence[Encoded],
         *,
         stream: torch.cuda.Stream | None,
-        stats: StatsRecorder,
+        stats: StatsRecorder | None = None,
         region_of: RegionOf | None = None,
+        pad: bool = False,
     ) -> DecodedBatch:
         n = len(encoded)
         with self._lock:
-            if n > len(self._rows):
-                self._stacked = torch.full((n, *self._stacked.shape[1:]), 128, dtype=torch.uint8)
-                self._rows = list(self._stacked.unbind(0))
-            return DecodedBatch(images=self._rows[:n], stacked=self._stacked[:n])
+            if n > len(self._stacked):
+                self._stacked = torch.full((n, self._side, self._side, 3), 128, dtype=torch.uint8)
+            side = (self._side, self._side)
+            return DecodedBatch(extents=[side] * n, batch=self._stacked[:n], rows=set(range(n)))
 
 
 class StageClock:

@@ -115,7 +115,7 @@ def test_device_none_under_torchrun_is_the_local_rank_gpu(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(device_module, "_nvimgcodec_importable", lambda: True)
+    monkeypatch.setattr(device_module, "_nvimgcodec_installed", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert device_module.resolve_device(None) == torch.device("cuda", 1)
     assert device_module.resolve_device("cuda") == torch.device("cuda", 0)  # explicit: the current one

@@ -108,8 +108,8 @@ def test_fuzz_mutated_jpegs_through_nvimagecodec(edits: list[tuple[int, int]], c
     stream = torch.cuda.Stream()
     batch = decoder.decode([mutated, GOOD[1]], stream=stream, stats=StatsRecorder())
     stream.synchronize()
-    assert batch.images[1] is not None
-    assert (batch.images[0] is None) == (0 in batch.errors)
+    assert batch.extents[1] is not None
+    assert (batch.extents[0] is None) == (0 in batch.errors)
 
 
 def test_interpreter_exit_with_a_gpu_loader_open(tmp_path: Path) -> None:

@@ -93,12 +93,12 @@ def test_the_environment_turns_region_decoding_off_when_the_loader_is_built(
 class _Verdict(nv_module.DecoderRegistry):
     """A registry of its own whose region check gives ``works``, whatever the GPU does."""
 
-    def __init__(self, works: bool, new_decoder=nv_module.new_nvimgcodec_decoder) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, works: bool, new_decoder=nv_module.new_decoder) -> None:  # type: ignore[no-untyped-def]
         super().__init__(new_decoder)
         self._works = works
 
-    def regions_work(self, key: nv_module.DecoderKey, check) -> bool:  # type: ignore[no-untyped-def]
-        return super().regions_work(key, lambda: self._works)
+    def verdict(self, subject, check) -> bool:  # type: ignore[no-untyped-def]
+        return super().verdict(subject, (lambda: self._works) if subject[0] == "regions" else check)
 
 
 def _decoder_with(registry: nv_module.DecoderRegistry) -> nv_module.NvImageCodecDecoder:
@@ -174,14 +174,20 @@ def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest
     """Region decodes that return nothing (as nvImageCodec issue #55 reports) are retried whole on
     the GPU and cropped; when most of a call fails, the device stops decoding regions, with a warning."""
 
-    class NoRegions:
+    class NoRegions:  # a Python API Decoder that gives up on everything
         def decode(self, sources, **kwargs):  # type: ignore[no-untyped-def]
             return [None] * len(sources)
 
-    def failing_regions(index: int, backend: str, threads: int):  # type: ignore[no-untyped-def]
-        if backend == nv_module.REGION_BACKEND:
+    def failing_regions(engine: str, index: int, backend: str, threads: int):  # type: ignore[no-untyped-def]
+        if backend != nv_module.REGION_BACKEND:
+            return nv_module.new_decoder(engine, index, backend, threads)
+        if engine == "python":
             return NoRegions()
-        return nv_module.new_nvimgcodec_decoder(index, backend, threads)
+        # A C API Decoder of kind GPU_ONLY: nvImageCodec 0.9 has no JPEG decoder of that kind.
+        instance = nv_module._capi.load()
+        return nv_module._capi.Decoder(
+            instance, device_id=index, backends=[(nv_module._capi.GPU_ONLY, 1.0)], cpu_threads=threads
+        )
 
     _, whole = _crops("cuda", region_decode=False)
     with caplog.at_level("WARNING", logger="threadloader"):

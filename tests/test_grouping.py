@@ -264,7 +264,7 @@ class _RecordingRegionDecoder(RegionDecoder):
         super().__init__()
         self.names, self.calls = names, []  # type: ignore[var-annotated]
 
-    def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
+    def decode(self, encoded, *, stream, stats=None, region_of=None, pad=False):  # type: ignore[no-untyped-def]
         self.calls.append(sorted(self.names[bytes(data)] for data in encoded))
         return super().decode(encoded, stream=stream, stats=stats, region_of=region_of)
 

@@ -498,7 +498,7 @@ def test_a_decoder_passed_in_decodes_and_sets_the_device(
     calls = []
 
     class Counting(PillowDecoder):
-        def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
+        def decode(self, encoded, *, stream, stats=None, region_of=None, pad=False):  # type: ignore[no-untyped-def]
             calls.append(len(encoded))
             return super().decode(encoded, stream=stream, stats=stats)
 
@@ -781,6 +781,11 @@ def test_cuda_major_mismatch_between_codec_and_torch_is_named(
     nvidia.nvimgcodec = codec  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nvidia", nvidia)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", codec)
+
+    def no_capi() -> None:
+        raise device_module._capi.Unsupported("not here")
+
+    monkeypatch.setattr(device_module._capi, "load", no_capi)  # the version from the Python API
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

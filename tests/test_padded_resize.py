@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from threadloader import ThreadLoader
 from threadloader._output import OutputFormat
-from threadloader.decode import PillowDecoder
+from threadloader.decode import DecodedBatch, PillowDecoder
 from threadloader.transforms import Resize
 
 from .conftest import encode, photo, pil_reference
@@ -26,27 +26,21 @@ MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
 class PaddingDecoder(PillowDecoder):
     """Pillow, then every image at the top left of a padded batch with junk around it, as the GPU pads."""
 
-    pads = True
-
     def __init__(self) -> None:
         super().__init__()
         self.pad_given: list[bool] = []
 
-    def decode(self, encoded, *, stream, stats, region_of=None, pad=False):  # type: ignore[no-untyped-def]
+    def decode(self, encoded, *, stream, stats=None, region_of=None, pad=False):  # type: ignore[no-untyped-def]
         self.pad_given.append(pad)
         batch = super().decode(encoded, stream=stream, stats=stats)
         if not pad:
             return batch
-        decoded = {p: image for p, image in enumerate(batch.images) if image is not None}
-        height = max(image.shape[0] for image in decoded.values())
-        width = max(image.shape[1] for image in decoded.values())
-        batch.padded = torch.full((len(encoded), height, width, 3), 255, dtype=torch.uint8)  # junk
-        for position, image in decoded.items():
-            h, w = image.shape[:2]
-            batch.padded[position, :h, :w] = image
-            batch.images[position] = batch.padded[position, :h, :w]
-        batch.padded_rows = set(decoded)
-        return batch
+        height = max(image.shape[0] for image in batch.own.values())
+        width = max(image.shape[1] for image in batch.own.values())
+        padded = torch.full((len(encoded), height, width, 3), 255, dtype=torch.uint8)  # junk
+        for position, image in batch.own.items():
+            padded[position, : image.shape[0], : image.shape[1]] = image
+        return DecodedBatch(extents=batch.extents, errors=batch.errors, batch=padded, rows=set(batch.own))
 
 
 def _expected(data: bytes, size: tuple[int, int]) -> torch.Tensor:

@@ -160,8 +160,8 @@ def test_fifty_epochs_without_growth() -> None:
 def test_fuzz_mutated_jpegs_never_escape_the_decoder(edits: list[tuple[int, int]], cut: int) -> None:
     mutated = mutate(GOOD[0], edits, cut)
     batch = PillowDecoder().decode([mutated, GOOD[1]], stream=None, stats=StatsRecorder())
-    assert batch.images[1] is not None  # the good neighbour is unaffected
-    image = batch.images[0]
+    assert batch.image(1) is not None  # the good neighbour is unaffected
+    image = batch.image(0)
     assert (image is None) == (0 in batch.errors)
     if image is not None:
         assert image.dtype == torch.uint8 and image.shape[2] == 3

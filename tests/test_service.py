@@ -63,8 +63,9 @@ class GatedDecoder(ImageDecoder):
         encoded: Sequence[bytes | bytearray | memoryview],
         *,
         stream: None,
-        stats: StatsRecorder,
+        stats: StatsRecorder | None = None,
         region_of: RegionOf | None = None,
+        pad: bool = False,
     ) -> DecodedBatch:
         self.sizes.append(len(encoded))
         self.entered.set()
@@ -298,7 +299,7 @@ def test_a_failing_batch_fails_its_requests_and_the_service_goes_on(
     class Flaky(PillowDecoder):
         calls = 0
 
-        def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
+        def decode(self, encoded, *, stream, stats=None, region_of=None, pad=False):  # type: ignore[no-untyped-def]
             Flaky.calls += 1
             if Flaky.calls == 1:
                 raise MemoryError("out of memory")

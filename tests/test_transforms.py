@@ -10,7 +10,7 @@ import torch
 from threadloader import ThreadLoader
 from threadloader._options import as_transform
 from threadloader._seeding import sample_generator
-from threadloader.decode import ImageDecoder, PillowDecoder
+from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
 from threadloader.transforms import (
     CenterCrop,
     Compose,
@@ -155,23 +155,25 @@ def test_random_crops_are_exactly_the_transform_of_the_decoded_image() -> None:
 class RegionDecoder(PillowDecoder):
     """Decodes with Pillow, then keeps only the region asked for, in a padded batch as the GPU does."""
 
-    def decode(self, encoded, *, stream, stats, region_of=None):  # type: ignore[no-untyped-def]
-        batch = super().decode(encoded, stream=stream, stats=stats)
-        assert region_of is not None and not batch.errors
+    def decode(self, encoded, *, stream, stats=None, region_of=None, pad=False):  # type: ignore[no-untyped-def]
+        whole = super().decode(encoded, stream=stream, stats=stats)
+        assert region_of is not None and not whole.errors
         regions = {}
-        for position, image in enumerate(batch.images):
-            region = region_of(position, (image.shape[0], image.shape[1]))  # type: ignore[union-attr]
+        for position, extent in enumerate(whole.extents):
+            region = region_of(position, extent)
             assert region is not None
             regions[position] = region
         height = max(h for _, _, h, _ in regions.values())
         width = max(w for _, _, _, w in regions.values())
-        batch.padded = torch.full((len(encoded), height, width, 3), 255, dtype=torch.uint8)  # junk margins
+        padded = torch.full((len(encoded), height, width, 3), 255, dtype=torch.uint8)  # junk margins
         for position, (top, left, h, w) in regions.items():
-            crop = batch.images[position][top : top + h, left : left + w]  # type: ignore[index]
-            batch.padded[position, :h, :w] = crop
-            batch.images[position] = batch.padded[position, :h, :w]
-        batch.regions = batch.padded_rows = set(regions)
-        return batch
+            padded[position, :h, :w] = whole.own[position][top : top + h, left : left + w]
+        return DecodedBatch(
+            extents=[(h, w) for _, _, h, w in regions.values()],
+            batch=padded,
+            rows=set(regions),
+            regions=set(regions),
+        )
 
 
 def test_a_decoder_of_regions_gives_the_crops_of_whole_decoding() -> None:

@@ -7,11 +7,14 @@ usable (a CUDA device and nvImageCodec), else the CPU with Pillow.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
+import sys
 
 import torch
 
+from .decode import _capi
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import BACKENDS, DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_gpu_decoders
 from .decode.pillow import PillowDecoder
@@ -60,12 +63,27 @@ def default_decode_threads(num_threads: int) -> int:
     return max(1, available_cpus() - num_threads)
 
 
-def _nvimgcodec_importable() -> bool:
+def _nvimgcodec_installed() -> bool:
+    """Whether nvImageCodec is installed, found without importing it (its Python API takes a second)."""
+    if "nvidia.nvimgcodec" in sys.modules:
+        return True
     try:
-        from nvidia import nvimgcodec  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("nvidia.nvimgcodec") is not None
+    except (ImportError, ValueError):
         return False
-    return True
+
+
+def _codec_cuda_major() -> int | None:
+    """The CUDA major version nvImageCodec is built for: from its C library, else its Python API."""
+    try:
+        return _cuda_major(_capi.load().library.cudart_version)
+    except _capi.Unsupported:
+        pass
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        return None  # the decoder's own error says how to install it
+    return _cuda_major(getattr(nvimgcodec, "__cuda_version__", None))
 
 
 def _cuda_major(version: object) -> int | None:
@@ -85,11 +103,7 @@ def check_cuda_versions() -> None:
     runtimes in one process, which fails in ways that do not name the cause (a driver too old for one
     of them, or libraries that do not load).
     """
-    try:
-        from nvidia import nvimgcodec
-    except ImportError:
-        return  # the decoder's own error says how to install it
-    codec = _cuda_major(getattr(nvimgcodec, "__cuda_version__", None))
+    codec = _codec_cuda_major()
     ours = _cuda_major(torch.version.cuda)
     if codec is not None and ours is not None and codec != ours:
         logger.warning(
@@ -117,7 +131,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     if device is None:
         if not torch.cuda.is_available():
             return torch.device("cpu")
-        if not _nvimgcodec_importable():
+        if not _nvimgcodec_installed():
             logger.warning(
                 "a GPU is available but nvImageCodec is not installed, so images are decoded on the CPU; "
                 "pip install 'threadloader[cu12]' (or [cu13]) to decode on the GPU"

@@ -133,14 +133,13 @@ class BatchProducer:
         """Decodes the samples read, in one decoder call; ``None`` when none could be read."""
         if not group.blobs:
             return None
-        # Without a transform, the output's resize reads images of different sizes in one batch.
-        pad = self._decoder.pads and self._transform is None and self._output.size is not None
         return self._decoder.decode(
             group.blobs,
             stream=stream,
             stats=self._stats,
             region_of=plans.region_of if plans is not None and plans.random else None,
-            **({"pad": True} if pad else {}),
+            # Without a transform, the output's resize reads images of different sizes in one batch.
+            pad=self._transform is None and self._output.size is not None,
         )
 
     def _split(
@@ -193,18 +192,19 @@ class BatchProducer:
         kept = _kept(decoded, first, last)
         with self._stats.timed("transform"):
             images: Images
-            extents = None
+            extents: list[tuple[int, int]] | None = None
             whole = len(kept) == last - first
-            if whole and decoded.stacked is not None:
-                images = decoded.stacked[first:last].permute(0, 3, 1, 2)
-            elif whole and decoded.padded is not None and all(p in decoded.padded_rows for p in kept):
-                # Images at the top left of padded rows: a region-reading first transform takes them as
+            stacked = decoded.stacked
+            if whole and stacked is not None:
+                images = stacked[first:last].permute(0, 3, 1, 2)
+            elif whole and decoded.batch is not None and decoded.rows.issuperset(kept):
+                # Images at the top left of their rows: a region-reading first transform takes them as
                 # they are (regions); without a transform, the output's resize reads each one's extent.
-                images = decoded.padded[first:last].permute(0, 3, 1, 2)
+                images = decoded.batch[first:last].permute(0, 3, 1, 2)
                 if self._transform is None:
-                    extents = [_extent(decoded.images[p]) for p in kept]
+                    extents = [decoded.extents[p] for p in kept]  # type: ignore[misc]  # kept: not None
             else:
-                images = [decoded.images[p].permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
+                images = [decoded.image(p).permute(2, 0, 1) for p in kept]  # type: ignore[union-attr]
             if self._transform is not None and plans is not None:
                 images = self._transform.apply_many(images, [plans.params(p, decoded) for p in kept])
                 check_cancelled()
@@ -285,9 +285,8 @@ class _Plans:
         """The parameters to apply to the decoded image at ``position``."""
         if position in decoded.regions:
             return self._in_region[position]
-        image = decoded.images[position]
-        assert image is not None
-        size = (int(image.shape[0]), int(image.shape[1]))
+        size = decoded.extents[position]
+        assert size is not None
         drawn = self._drawn.get(position)
         return drawn[1] if drawn is not None and drawn[0] == size else self._draw(position, size)
 
@@ -301,7 +300,7 @@ class _Plans:
 
 def _kept(decoded: DecodedBatch, first: int, last: int) -> list[int]:
     """The positions in ``first:last`` that decoded."""
-    return [p for p in range(first, last) if decoded.images[p] is not None]
+    return [p for p in range(first, last) if decoded.extents[p] is not None]
 
 
 def _own_rows(images: Images, first: int, last: int) -> Images:
@@ -312,16 +311,8 @@ def _own_rows(images: Images, first: int, last: int) -> Images:
 
 
 def _all_padded(decoded: DecodedBatch) -> bool:
-    """Whether every image of a decoded group is at the top left of its row of the padded tensor."""
-    return decoded.padded is not None and all(
-        image is not None and p in decoded.padded_rows for p, image in enumerate(decoded.images)
-    )
-
-
-def _extent(image: torch.Tensor | None) -> tuple[int, int]:
-    """The ``(height, width)`` of a decoded ``(H, W, 3)`` image."""
-    assert image is not None
-    return int(image.shape[0]), int(image.shape[1])
+    """Whether every image of a decoded group is at the top left of its row of the batch tensor."""
+    return decoded.batch is not None and len(decoded.rows) == len(decoded.extents)
 
 
 def _log_skip(error: SampleError) -> None:

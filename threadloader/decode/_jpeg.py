@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["exif_orientation", "has_end_marker", "may_swap_sides", "normalize_gray_sampling"]
+__all__ = [
+    "exif_orientation",
+    "has_end_marker",
+    "may_swap_sides",
+    "normalize_gray_sampling",
+    "with_exif_orientation",
+]
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not frames
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM and RSTn carry no length
@@ -130,3 +136,15 @@ def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) ->
     if isinstance(data, memoryview):
         return b"\xff\xd9" in bytes(data[-tail:])
     return data.find(b"\xff\xd9", max(0, len(data) - tail)) >= 0  # no copy of the tail
+
+
+def with_exif_orientation(data: bytes, orientation: int) -> bytes:
+    """A JPEG with an EXIF segment saying ``orientation`` (1-8) put after its start marker.
+
+    For the decoders' self-tests: a photo that must come out turned shows whether a decoder applies
+    EXIF orientation, and reports the shape it made.
+    """
+    entry = _ORIENTATION_TAG.to_bytes(2, "big") + _SHORT.to_bytes(2, "big") + (1).to_bytes(4, "big")
+    directory = (1).to_bytes(2, "big") + entry + orientation.to_bytes(2, "big") + bytes(2) + bytes(4)
+    payload = b"Exif\x00\x00" + b"MM\x00\x2a" + (8).to_bytes(4, "big") + directory
+    return data[:2] + b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:]

@@ -45,26 +45,61 @@ def pixel_limit_error(width: int, height: int, max_pixels: int | None) -> str | 
 class DecodedBatch:
     """A decoder's output for one batch, position by position.
 
+    Images that fit are rows of one batch tensor, so later stages work on the batch at once and nothing
+    makes a tensor per image: a batch of one size is ``batch`` itself; images of different sizes (random
+    crops' regions, or whole images that the output resizes) sit at the top-left corner of their row,
+    ``extents`` saying how much of it each fills. Images decoded on their own (a fallback, an image far
+    larger than the rest) are in ``own``.
+
     Attributes:
-        images: RGB ``uint8`` tensors of shape ``(H, W, 3)`` on the decoder's device; ``None`` where the
-            sample failed.
-        errors: Position to the reason it failed, for each ``None`` in ``images``.
-        stacked: A ``(B, H, W, 3)`` tensor whose slices are exactly ``images`` when every sample decoded
-            to one shape, so later stages can work on the batch at once; otherwise ``None``.
-        regions: Positions decoded as the region ``region_of`` asked for, not as the whole image.
-        padded: When set, a ``(B, Hmax, Wmax, 3)`` tensor holding the image of each position in
-            ``padded_rows`` at the top left of its row (the rest of a row is undefined), so images of
-            different sizes can be resized at once. ``threadloader._regions`` has the whole contract of
-            region decoding.
-        padded_rows: Positions whose image is the top-left corner of its row of ``padded``.
+        extents: Per position, the ``(height, width)`` of its decoded image; ``None`` where it failed.
+        errors: Position to the reason it failed, for each ``None`` in ``extents``.
+        batch: A ``(B, H, W, 3)`` ``uint8`` tensor on the decoder's device; row ``p`` holds the image of
+            each position ``p`` in ``rows`` at its top left (the rest of the row is undefined).
+        rows: Positions whose image is in ``batch``.
+        own: Position to its own ``(H, W, 3)`` tensor, for images that decoded outside ``batch``.
+        regions: Positions decoded as the region ``region_of`` asked for, not as the whole image
+            (``threadloader._regions`` has that contract).
     """
 
-    images: list[torch.Tensor | None]
+    extents: list[tuple[int, int] | None]
     errors: dict[int, str] = field(default_factory=dict)
-    stacked: torch.Tensor | None = None
+    batch: torch.Tensor | None = None
+    rows: set[int] = field(default_factory=set)
+    own: dict[int, torch.Tensor] = field(default_factory=dict)
     regions: set[int] = field(default_factory=set)
-    padded: torch.Tensor | None = None
-    padded_rows: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of_images(
+        cls, images: Sequence[torch.Tensor | None], errors: dict[int, str] | None = None
+    ) -> DecodedBatch:
+        """The output of a decoder that decodes image by image: each image its own tensor."""
+        return cls(
+            extents=[
+                None if image is None else (int(image.shape[0]), int(image.shape[1])) for image in images
+            ],
+            errors=dict(errors or {}),
+            own={p: image for p, image in enumerate(images) if image is not None},
+        )
+
+    def image(self, position: int) -> torch.Tensor | None:
+        """The ``(H, W, 3)`` image at ``position`` (a view, for rows of ``batch``); ``None`` if it failed."""
+        extent = self.extents[position]
+        if extent is None:
+            return None
+        own = self.own.get(position)
+        if own is not None:
+            return own
+        assert self.batch is not None
+        return self.batch[position, : extent[0], : extent[1]]
+
+    @property
+    def stacked(self) -> torch.Tensor | None:
+        """``batch`` when it is exactly the images: all positions, all of its size; else ``None``."""
+        if self.batch is None or len(self.rows) != len(self.extents):
+            return None
+        size = (int(self.batch.shape[1]), int(self.batch.shape[2]))
+        return self.batch if all(extent == size for extent in self.extents) else None
 
 
 class ImageDecoder(ABC):
@@ -77,16 +112,13 @@ class ImageDecoder(ABC):
     #: Where the decoded tensors live.
     device: torch.device
 
-    #: Whether :meth:`decode` takes ``pad=``: decoders written before it existed are called without it.
-    pads: bool = False
-
     @abstractmethod
     def decode(
         self,
         encoded: Sequence[Encoded],
         *,
         stream: torch.cuda.Stream | None,
-        stats: StatsRecorder,
+        stats: StatsRecorder | None = None,
         region_of: RegionOf | None = None,
         pad: bool = False,
     ) -> DecodedBatch:
@@ -96,12 +128,11 @@ class ImageDecoder(ABC):
             encoded: Encoded images.
             stream: The calling thread's CUDA stream (``None`` on the CPU); all device work is queued on
                 it and the returned tensors are ready once that stream reaches this point.
-            stats: Where to add host time per stage.
+            stats: Where to add host time per stage, if anywhere.
             region_of: Lets a decoder that can decode part of an image (a random crop's region) ask
                 which part; decoders that cannot ignore it and decode the whole image.
-            pad: Given (as ``True``) only to decoders whose :attr:`pads` is set: the caller resizes the
-                images as one batch, so images of different sizes may be decoded into
-                ``DecodedBatch.padded``.
+            pad: The caller resizes the images as one batch, so images of different sizes may be
+                decoded into the rows of one ``batch``; decoders that cannot ignore it.
 
         Returns:
             One entry per input; a sample that cannot be decoded is reported in ``errors``, never raised.

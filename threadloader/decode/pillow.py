@@ -134,18 +134,19 @@ class PillowDecoder(ImageDecoder):
         encoded: Sequence[Encoded],
         *,
         stream: torch.cuda.Stream | None,
-        stats: StatsRecorder,
+        stats: StatsRecorder | None = None,
         region_of: RegionOf | None = None,
         pad: bool = False,
     ) -> DecodedBatch:
         """Decodes each whole image with Pillow; see :meth:`ImageDecoder.decode` (regions, padding unused)."""
-        batch = DecodedBatch(images=[])
-        with stats.timed("decode"):
+        images: list[torch.Tensor | None] = []
+        errors: dict[int, str] = {}
+        with (stats or StatsRecorder()).timed("decode"):
             for position, data in enumerate(encoded):
                 check_cancelled()  # large images make a long batch: stop between them
                 try:
-                    batch.images.append(torch.from_numpy(decode_rgb(data, max_pixels=self._max_pixels)))
+                    images.append(torch.from_numpy(decode_rgb(data, max_pixels=self._max_pixels)))
                 except Exception as exc:
-                    batch.images.append(None)
-                    batch.errors[position] = f"{type(exc).__name__}: {exc}"
-        return batch
+                    images.append(None)
+                    errors[position] = f"{type(exc).__name__}: {exc}"
+        return DecodedBatch.of_images(images, errors)

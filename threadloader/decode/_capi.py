@@ -1,0 +1,690 @@
+"""nvImageCodec 0.9's C API through ctypes: a decode core that keeps the GIL for microseconds per batch.
+
+Why not the Python API: it lets go of the GIL about four times per image (a ``CodeStream``, its first
+field read, an ``as_images`` wrapper, a result), and each time a training loop waiting for the GIL takes
+it and the reader has to win it back (docs/design.md, "GIL releases per image"). Here the per-image
+calls (a code stream over the bytes, its header, an output image) are host work of microseconds on
+memory, made through :class:`ctypes.PyDLL`, which keeps the GIL; only the per-batch calls that block
+(making a Decoder, decoding, waiting) go through :class:`ctypes.CDLL`, which lets go of it.
+
+The binding mirrors the C structs of nvImageCodec 0.9 exactly, and the ABI changed at every minor
+release from 0.5 to 0.9, so :func:`load` accepts only 0.9.x, checks the size of every mirrored struct,
+and the caller runs a functional self-test before trusting it (``nvimgcodec.py``); anything else is
+:class:`Unsupported`, and the Python API is used instead. The facts behind every layout and call are in
+``nvimgcodec.h`` of the 0.9.0 wheel.
+
+Lifetimes: one :class:`Instance` per process, never destroyed (its Decoders are pooled for the life of
+the process, and destroying them at exit would race the CUDA runtime's own teardown); code streams and
+images live in a :class:`Workspace` of one thread, reused batch after batch (the C API re-initializes a
+non-NULL handle in place), destroyed with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char_p,
+    c_float,
+    c_int,
+    c_int32,
+    c_size_t,
+    c_uint8,
+    c_uint32,
+    c_void_p,
+    sizeof,
+)
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CPU_ONLY",
+    "DEVICE_CPU_ONLY",
+    "HW_GPU_ONLY",
+    "HYBRID_CPU_GPU",
+    "IMAGE_INFO",
+    "BackendSpec",
+    "Decoder",
+    "Instance",
+    "Library",
+    "Unsupported",
+    "Workspace",
+    "load",
+]
+
+# Structure types (nvimgcodecStructureType_t), 0.6 and later.
+_PROPERTIES, _INSTANCE_CREATE_INFO, _DECODE_PARAMS = 1, 2, 5
+_REGION, _CODE_STREAM_VIEW, _IMAGE_INFO = 8, 9, 11
+_BACKEND, _BACKEND_PARAMS, _EXECUTION_PARAMS = 17, 29, 30
+
+#: Backend kinds (nvimgcodecBackendKind_t). Kinds match exactly: nvJPEG's CUDA decoder is HYBRID_CPU_GPU.
+CPU_ONLY, GPU_ONLY, HYBRID_CPU_GPU, HW_GPU_ONLY = 1, 2, 3, 4
+_LOAD_HINT_FIXED = 2
+#: ``device_id`` of a Decoder that decodes into host memory with the CPU backends only.
+DEVICE_CPU_ONLY = -99999
+
+_UINT8 = 0x0802  # nvimgcodecSampleDataType_t
+_I_RGB, _SRGB, _SAMPLING_NONE = 8, 1, 0
+_DEVICE_BUFFER, _HOST_BUFFER = 1, 2  # nvimgcodecImageBufferKind_t: strided device / host memory
+_SUCCESS = 1  # nvimgcodecProcessingStatus_t: every failure code has bit 0 set too; compare with ==
+_SEVERITY = 0x1000 | 0x10000 | 0x100000  # warnings, errors, fatal errors on stderr
+_CATEGORY_ALL = 0x0FFFFFFF
+
+_HEADER: list[tuple[str, Any]] = [
+    ("struct_type", c_int32),
+    ("struct_size", c_size_t),
+    ("struct_next", c_void_p),
+]
+
+
+class _Properties(Structure):
+    _fields_ = [*_HEADER, ("version", c_uint32), ("cudart_version", c_uint32)]
+
+
+class _InstanceCreateInfo(Structure):
+    _fields_ = [
+        *_HEADER,
+        ("load_builtin_modules", c_int),
+        ("load_extension_modules", c_int),
+        ("extension_modules_path", c_char_p),
+        ("create_debug_messenger", c_int),
+        ("debug_messenger_desc", c_void_p),
+        ("message_severity", c_uint32),
+        ("message_category", c_uint32),
+    ]
+
+
+class _BackendParams(Structure):
+    _fields_ = [*_HEADER, ("load_hint", c_float), ("load_hint_policy", c_int32)]
+
+
+class _Backend(Structure):
+    _fields_ = [*_HEADER, ("kind", c_int32), ("params", _BackendParams)]
+
+
+class _ExecutionParams(Structure):
+    _fields_ = [
+        *_HEADER,
+        ("device_allocator", c_void_p),
+        ("pinned_allocator", c_void_p),
+        ("max_num_cpu_threads", c_int),
+        ("executor", c_void_p),
+        ("device_id", c_int),
+        ("pre_init", c_int),
+        ("skip_pre_sync", c_int),
+        ("num_backends", c_int),
+        ("backends", POINTER(_Backend)),
+    ]
+
+
+class _Orientation(Structure):
+    _fields_ = [*_HEADER, ("rotated", c_int), ("flip_x", c_int), ("flip_y", c_int)]
+
+
+class _ImagePlaneInfo(Structure):
+    _fields_ = [
+        *_HEADER,
+        ("width", c_uint32),
+        ("height", c_uint32),
+        ("row_stride", c_size_t),
+        ("num_channels", c_uint32),
+        ("sample_type", c_int32),
+        ("precision", c_uint8),
+    ]
+
+
+class _ImageInfo(Structure):
+    _fields_ = [
+        *_HEADER,
+        ("codec_name", ctypes.c_char * 256),
+        ("color_spec", c_int32),
+        ("chroma_subsampling", c_int32),
+        ("sample_format", c_int32),
+        ("orientation", _Orientation),
+        ("num_planes", c_uint32),
+        ("plane_info", _ImagePlaneInfo * 32),
+        ("buffer", c_void_p),
+        ("buffer_kind", c_int32),
+        ("cuda_stream", c_void_p),
+    ]
+
+
+class _OutOfBoundsSample(Structure):
+    _fields_ = [("value", c_uint32), ("type", c_int32)]
+
+
+class _Region(Structure):
+    _fields_ = [
+        *_HEADER,
+        ("ndim", c_int),
+        ("start", c_int * 5),
+        ("end", c_int * 5),
+        ("out_of_bounds_policy", c_int32),
+        ("out_of_bounds_samples", _OutOfBoundsSample * 5),
+    ]
+
+
+class _CodeStreamView(Structure):
+    _fields_ = [*_HEADER, ("image_idx", c_size_t), ("region", _Region), ("bitstream_offset", c_size_t)]
+
+
+class _DecodeParams(Structure):
+    _fields_ = [*_HEADER, ("apply_exif_orientation", c_int)]
+
+
+#: sizeof() of each struct in nvImageCodec 0.9's header, printed by gcc on x86-64.
+_SIZES = {
+    _Properties: 32,
+    _InstanceCreateInfo: 64,
+    _BackendParams: 32,
+    _Backend: 64,
+    _ExecutionParams: 80,
+    _Orientation: 40,
+    _ImagePlaneInfo: 56,
+    _ImageInfo: 2160,
+    _Region: 112,
+    _CodeStreamView: 152,
+    _DecodeParams: 32,
+}
+
+
+def _offset(*path: str) -> int:
+    """Byte offset of a (nested) field of ImageInfo, e.g. ``("orientation", "rotated")``."""
+    offset, struct = 0, _ImageInfo
+    for name in path:
+        offset += getattr(struct, name).offset
+        kind: Any = dict(struct._fields_)[name]  # type: ignore[arg-type]
+        struct = getattr(kind, "_type_", kind)  # an array's element type (plane_info[0])
+    return offset
+
+
+#: The ImageInfo fields this module reads or writes: (name here, numpy type, path in the C struct).
+_INFO_FIELDS = (
+    ("struct_type", "<i4", ("struct_type",)),
+    ("struct_size", "<u8", ("struct_size",)),
+    ("struct_next", "<u8", ("struct_next",)),
+    ("codec", "S8", ("codec_name",)),  # the name's first 8 bytes: "jpeg", "jpeg2k", "png"...
+    ("color_spec", "<i4", ("color_spec",)),
+    ("chroma", "<i4", ("chroma_subsampling",)),
+    ("sample_format", "<i4", ("sample_format",)),
+    ("rotated", "<i4", ("orientation", "rotated")),  # counter-clockwise degrees, from EXIF
+    ("flip_x", "<i4", ("orientation", "flip_x")),
+    ("flip_y", "<i4", ("orientation", "flip_y")),
+    ("num_planes", "<u4", ("num_planes",)),
+    ("width", "<u4", ("plane_info", "width")),  # of the first plane: the image's, as stored
+    ("height", "<u4", ("plane_info", "height")),
+    ("row_stride", "<u8", ("plane_info", "row_stride")),
+    ("num_channels", "<u4", ("plane_info", "num_channels")),
+    ("sample_type", "<i4", ("plane_info", "sample_type")),
+    ("precision", "u1", ("plane_info", "precision")),
+    ("buffer", "<u8", ("buffer",)),
+    ("buffer_kind", "<i4", ("buffer_kind",)),
+    ("cuda_stream", "<u8", ("cuda_stream",)),
+)
+
+#: ImageInfo as a numpy record, so that a batch's headers are read, and its outputs described, with
+#: one vectorised step per field instead of a ctypes access per image and field.
+IMAGE_INFO = np.dtype(
+    {
+        "names": [name for name, _, _ in _INFO_FIELDS],
+        "formats": [kind for _, kind, _ in _INFO_FIELDS],
+        "offsets": [_offset(*path) for _, _, path in _INFO_FIELDS],
+        "itemsize": sizeof(_ImageInfo),
+    }
+)
+
+
+class Unsupported(RuntimeError):
+    """The C API cannot be used here; the message says why (the Python API is used instead)."""
+
+
+#: Each entry point: (name, argument types, whether it may block and so must let go of the GIL).
+_FUNCTIONS = (
+    ("nvimgcodecGetProperties", [c_void_p], False),
+    ("nvimgcodecInstanceCreate", [c_void_p, c_void_p], True),
+    ("nvimgcodecDecoderCreate", [c_void_p, c_void_p, c_void_p, c_char_p], True),
+    ("nvimgcodecCodeStreamCreateFromHostMem", [c_void_p, c_void_p, c_void_p, c_size_t, c_void_p], False),
+    ("nvimgcodecCodeStreamGetImageInfo", [c_void_p, c_void_p], False),
+    ("nvimgcodecCodeStreamGetSubCodeStream", [c_void_p, c_void_p, c_void_p], False),
+    ("nvimgcodecCodeStreamDestroy", [c_void_p], False),
+    ("nvimgcodecImageCreate", [c_void_p, c_void_p, c_void_p], False),
+    ("nvimgcodecImageDestroy", [c_void_p], False),
+    ("nvimgcodecDecoderDecode", [c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_void_p], True),
+    ("nvimgcodecFutureWaitForAll", [c_void_p], True),
+    ("nvimgcodecFutureGetProcessingStatus", [c_void_p, c_void_p, c_void_p], False),
+    ("nvimgcodecFutureDestroy", [c_void_p], False),
+)
+
+
+class Library:
+    """``libnvimgcodec.so.0`` of an installed nvImageCodec, each entry point bound once.
+
+    Loaded by absolute path from the package's folder, so that the Python API, if imported too, shares
+    the same copy of the library, and no other copy on the search path is picked up.
+
+    Raises:
+        Unsupported: The library does not load, lacks an entry point, or is not 0.9.x.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        path = directory / "libnvimgcodec.so.0"
+        self.extensions = directory / "extensions"
+        try:
+            held, released = ctypes.PyDLL(str(path)), ctypes.CDLL(str(path))
+            for name, argtypes, blocks in _FUNCTIONS:
+                function = getattr(released if blocks else held, name)
+                function.argtypes, function.restype = argtypes, c_int
+                setattr(self, name.removeprefix("nvimgcodec"), function)
+        except (OSError, AttributeError) as exc:
+            raise Unsupported(f"cannot load {path}: {exc}") from exc
+        properties = _Properties(_PROPERTIES, sizeof(_Properties), None)
+        status = self.GetProperties(ctypes.byref(properties))
+        if status != 0:
+            raise Unsupported(f"nvimgcodecGetProperties failed with status {status} (nvImageCodec < 0.6?)")
+        self.version = properties.version  # major * 1000 + minor * 100 + patch
+        self.cudart_version = properties.cudart_version
+        if self.version // 100 != 9:
+            major, minor, patch = self.version // 1000, self.version // 100 % 10, self.version % 100
+            raise Unsupported(
+                f"nvImageCodec {major}.{minor}.{patch} is installed; the C API binding is for 0.9.x only "
+                "(its structs change at every minor release)"
+            )
+
+    GetProperties: Any
+    InstanceCreate: Any
+    DecoderCreate: Any
+    CodeStreamCreateFromHostMem: Any
+    CodeStreamGetImageInfo: Any
+    CodeStreamGetSubCodeStream: Any
+    CodeStreamDestroy: Any
+    ImageCreate: Any
+    ImageDestroy: Any
+    DecoderDecode: Any
+    FutureWaitForAll: Any
+    FutureGetProcessingStatus: Any
+    FutureDestroy: Any
+
+
+class Instance:
+    """An nvImageCodec instance (its codec registry and extension modules); one per process.
+
+    Raises:
+        Unsupported: If it cannot be created.
+    """
+
+    def __init__(self, library: Library) -> None:
+        self.library = library
+        self._extensions = str(library.extensions).encode()  # kept alive during the call
+        info = _InstanceCreateInfo(
+            _INSTANCE_CREATE_INFO,
+            sizeof(_InstanceCreateInfo),
+            None,
+            1,  # the built-in modules are the format parsers: without them nothing parses
+            1,
+            self._extensions,  # explicit: an inherited NVIMGCODEC_EXTENSIONS_PATH does not apply
+            1,
+            None,
+            _SEVERITY,
+            _CATEGORY_ALL,
+        )
+        handle = c_void_p()
+        status = library.InstanceCreate(ctypes.byref(handle), ctypes.byref(info))
+        if status != 0 or not handle.value:
+            raise Unsupported(f"nvimgcodecInstanceCreate failed with status {status}")
+        self.handle: int = handle.value
+
+
+#: A backend a Decoder may use: ``(kind, load hint)``, the hint being the share of each batch it takes.
+BackendSpec = tuple[int, float]
+
+
+class Decoder:
+    """An nvImageCodec Decoder: one thread calls it at a time (the pool in ``nvimgcodec.py`` ensures it).
+
+    Args:
+        instance: The process's instance.
+        device_id: A CUDA device index, or :data:`DEVICE_CPU_ONLY`.
+        backends: The backends it may use; ``None`` lets it use all, nvImageCodec choosing per image.
+        cpu_threads: Its own CPU threads (Huffman decoding, CPU codecs).
+        options: Decoder options (``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``); ``""`` keeps
+            each decoder's defaults.
+
+    Raises:
+        RuntimeError: If nvImageCodec cannot make it (the status names the reason).
+    """
+
+    def __init__(
+        self,
+        instance: Instance,
+        *,
+        device_id: int,
+        backends: Sequence[BackendSpec] | None,
+        cpu_threads: int,
+        options: str = "",
+    ) -> None:
+        self.instance = instance
+        self.host = device_id == DEVICE_CPU_ONLY
+        chosen = (_Backend * max(1, len(backends or ())))()
+        for slot, (kind, load_hint) in zip(chosen, backends or (), strict=False):
+            slot.struct_type, slot.struct_size, slot.kind = _BACKEND, sizeof(_Backend), kind
+            slot.params = _BackendParams(
+                _BACKEND_PARAMS, sizeof(_BackendParams), None, load_hint, _LOAD_HINT_FIXED
+            )
+        params = _ExecutionParams(
+            _EXECUTION_PARAMS,
+            sizeof(_ExecutionParams),
+            None,
+            None,
+            None,
+            cpu_threads,
+            None,
+            device_id,
+            1,  # pre_init: codecs made now, not inside the first decode
+            0,  # skip_pre_sync off: its streams wait for ours, which orders torch's allocations first
+            len(backends or ()),
+            chosen if backends else None,
+        )
+        handle = c_void_p()
+        status = instance.library.DecoderCreate(
+            instance.handle, ctypes.byref(handle), ctypes.byref(params), options.encode()
+        )
+        if status != 0 or not handle.value:
+            raise RuntimeError(
+                f"nvImageCodec could not make a Decoder on device {device_id} with backends {backends} "
+                f"(status {status})"
+            )
+        self.handle: int = handle.value
+
+
+_MAX_RESULT_POSITIONS = 1 << 16
+
+
+class Workspace:
+    """One thread's code streams, output images and their ImageInfos, reused batch after batch.
+
+    Owned by one thread at a time: nothing here is locked. Positions are a batch's indices; a batch is
+    parsed (:meth:`parse`), given its outputs (:meth:`bind`), and decoded (:meth:`decode`) before the
+    next one reuses the handles.
+
+    Attributes:
+        infos: Per position, the header nvImageCodec read (:meth:`parse`), then the output it is
+            decoded as (:meth:`bind`), as :data:`IMAGE_INFO` records.
+    """
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+        self._library = instance.library
+        self._capacity = 0
+        # Handles, per position: code streams, their regions' sub-streams, output images (0: none yet).
+        self._streams = self._regions = self._images = np.zeros(0, dtype=np.uint64)
+        self._chosen = np.zeros(0, dtype=np.uint64)  # per position: what is decoded, a stream or a region
+        self.infos = np.zeros(0, IMAGE_INFO)
+        self._data: list[Any] = []  # what each code stream reads: kept alive until the next parse
+        self._view = _CodeStreamView(_CODE_STREAM_VIEW, sizeof(_CodeStreamView), None)
+        self._view.region.struct_type, self._view.region.struct_size = _REGION, sizeof(_Region)
+        self._view.region.ndim = 2
+        self._params = _DecodeParams(_DECODE_PARAMS, sizeof(_DecodeParams), None, 1)  # EXIF applied
+
+    def _reserve(self, count: int) -> None:
+        """Grows the handle and info arrays to ``count`` positions, keeping the handles made so far."""
+        if count <= self._capacity:
+            return
+        capacity = max(count, 2 * self._capacity, 64)
+        grow = functools.partial(np.pad, pad_width=(0, capacity - self._capacity))
+        self._streams, self._regions, self._images = (
+            grow(self._streams),
+            grow(self._regions),
+            grow(self._images),
+        )
+        self._chosen = np.zeros(capacity, dtype=np.uint64)
+        self.infos = np.zeros(capacity, IMAGE_INFO)
+        self.infos["struct_type"], self.infos["struct_size"] = _IMAGE_INFO, IMAGE_INFO.itemsize
+        self._capacity = capacity
+
+    def parse(self, data: Sequence[Any]) -> list[int]:
+        """Makes a code stream over each encoded image and reads its header into :attr:`infos`.
+
+        Args:
+            data: Encoded images, ``bytes`` or any object with the buffer protocol; each must stay
+                alive and unchanged until :meth:`decode` returns.
+
+        Returns:
+            Per position, 0 where the header was read, else nvImageCodec's status (an unknown format,
+            a corrupt header).
+        """
+        count = len(data)
+        self._reserve(count)
+        self.infos[:count]["struct_next"] = 0
+        self._data = [None] * count
+        statuses = []
+        for position, item in enumerate(data):
+            statuses.append(self._parse_one(position, item))
+            if position % _GIL_CHUNK == _GIL_CHUNK - 1:
+                _let_others_run()
+        self._chosen[:count] = self._streams[:count]
+        return statuses
+
+    def reparse(self, position: int, data: Any) -> int:
+        """Parses other bytes at ``position`` (a rewritten header); nvImageCodec's status, 0 if read."""
+        status = self._parse_one(position, data)
+        self._chosen[position] = self._streams[position]
+        return status
+
+    def _parse_one(self, position: int, item: Any) -> int:
+        """Points the code stream at ``position`` to ``item`` and reads its header; the status."""
+        if isinstance(item, bytes):
+            pointer: Any = item  # ctypes passes a pointer to the bytes themselves
+        else:  # a bytearray, a memoryview: its address
+            item = np.frombuffer(item, dtype=np.uint8)
+            pointer = item.ctypes.data
+        self._data[position] = item
+        library = self._library
+        status = library.CodeStreamCreateFromHostMem(
+            self._instance.handle, self._streams.ctypes.data + 8 * position, pointer, len(item), None
+        )
+        if status == 0:
+            status = library.CodeStreamGetImageInfo(
+                int(self._streams[position]), self.infos.ctypes.data + IMAGE_INFO.itemsize * position
+            )
+        return status
+
+    def crop(self, position: int, top: int, left: int, height: int, width: int) -> int:
+        """Decodes only a region of the image at ``position`` (display coordinates, EXIF applied).
+
+        Returns:
+            nvImageCodec's status, 0 if the region was set; the whole image is decoded otherwise.
+        """
+        region = self._view.region
+        region.start[0], region.start[1], region.end[0], region.end[1] = top, left, top + height, left + width
+        status = self._library.CodeStreamGetSubCodeStream(
+            int(self._streams[position]), self._regions.ctypes.data + 8 * position, ctypes.byref(self._view)
+        )
+        if status == 0:
+            self._chosen[position] = self._regions[position]
+        return status
+
+    def uncrop(self, positions: Sequence[int]) -> None:
+        """Decodes the whole images at ``positions`` again (regions the decoder gave up on)."""
+        index = np.asarray(positions, dtype=np.intp)
+        self._chosen[index] = self._streams[index]
+
+    def bind(
+        self,
+        positions: Sequence[int],
+        addresses: Sequence[int],
+        shapes: Sequence[tuple[int, int]],
+        row_strides: Sequence[int],
+        *,
+        stream: int | None,
+        host: bool = False,
+    ) -> list[int]:
+        """Describes the memory each position decodes into, as interleaved RGB ``uint8``.
+
+        Nothing checks that the memory is large enough: nvImageCodec writes ``height`` rows of
+        ``width * 3`` bytes, ``row_stride`` bytes apart, from the address (the tests check with guard
+        bytes). ``shapes`` are the decoded sizes: a region's, or the image's as displayed.
+
+        Args:
+            positions: Positions parsed without error.
+            addresses: Where each one's first pixel goes.
+            shapes: ``(height, width)`` of each.
+            row_strides: Bytes from one row to the next, at least ``3 * width``.
+            stream: The CUDA stream the decode is ordered on (its raw handle), for device memory.
+            host: Whether the memory is host memory (a Decoder made with :data:`DEVICE_CPU_ONLY`).
+
+        Returns:
+            Per position, nvImageCodec's status: 0 where the output image was made.
+        """
+        index = np.asarray(positions, dtype=np.intp)
+        infos = self.infos
+        heights, widths = zip(*shapes, strict=True) if len(shapes) else ((), ())
+        chosen = infos[index]
+        for name, value in (
+            ("struct_type", _IMAGE_INFO),
+            ("struct_size", IMAGE_INFO.itemsize),
+            ("struct_next", 0),
+            ("color_spec", _SRGB),
+            ("chroma", _SAMPLING_NONE),
+            ("sample_format", _I_RGB),
+            ("num_planes", 1),
+            ("num_channels", 3),
+            ("sample_type", _UINT8),
+            ("precision", 0),
+            ("height", heights),
+            ("width", widths),
+            ("row_stride", row_strides),
+            ("buffer", addresses),
+            ("buffer_kind", _HOST_BUFFER if host else _DEVICE_BUFFER),
+            ("cuda_stream", stream or 0),
+        ):
+            chosen[name] = value
+        infos[index] = chosen  # the orientation read from the header stays: the decoder applies it from here
+        make, instance = self._library.ImageCreate, self._instance.handle
+        images, infos_at, size = self._images.ctypes.data, infos.ctypes.data, IMAGE_INFO.itemsize
+        statuses = []
+        for count, position in enumerate(positions):
+            statuses.append(make(instance, images + 8 * position, infos_at + size * position))
+            if count % _GIL_CHUNK == _GIL_CHUNK - 1:
+                _let_others_run()
+        return statuses
+
+    def decode(self, decoder: Decoder, positions: Sequence[int]) -> list[bool]:
+        """Decodes the bound positions in one call; whether each succeeded.
+
+        The GIL is let go for the call and the wait (nvImageCodec's own threads do the host work).
+        Once this returns, the host work is done and the device work is ordered before later work on
+        the stream given to :meth:`bind`.
+
+        Raises:
+            RuntimeError: If the call itself fails (not an image: those are ``False``).
+        """
+        count = len(positions)
+        if count == 0:
+            return []
+        if count > _MAX_RESULT_POSITIONS:
+            raise ValueError(f"at most {_MAX_RESULT_POSITIONS} images per decode call, got {count}")
+        index = np.asarray(positions, dtype=np.intp)
+        streams = self._chosen[index]  # fancy indexing: contiguous copies
+        images = self._images[index]
+        library = self._library
+        future = c_void_p()
+        status = library.DecoderDecode(
+            decoder.handle, streams.ctypes.data, images.ctypes.data, count, ctypes.byref(self._params),
+            ctypes.byref(future),
+        )  # fmt: skip
+        if status != 0 or not future.value:
+            raise RuntimeError(f"nvimgcodecDecoderDecode failed with status {status}")
+        try:
+            status = library.FutureWaitForAll(future)
+            results = (c_uint32 * count)()
+            got = c_size_t()
+            if status == 0:
+                status = library.FutureGetProcessingStatus(future, results, ctypes.byref(got))
+        finally:
+            library.FutureDestroy(future)
+        if status != 0 or got.value != count:
+            raise RuntimeError(f"nvImageCodec's decode failed with status {status} ({got.value} results)")
+        return [result == _SUCCESS for result in results]
+
+    def close(self) -> None:
+        """Destroys the code streams and images (never while a decode of this workspace runs)."""
+        library = self._library
+        for handles, destroy in (
+            (self._regions, library.CodeStreamDestroy),  # sub-streams first: they share their parent's
+            (self._streams, library.CodeStreamDestroy),
+            (self._images, library.ImageDestroy),
+        ):
+            for handle in handles[handles != 0].tolist():
+                destroy(handle)
+            handles[:] = 0
+        self._data = []
+
+    def __del__(self) -> None:
+        # At interpreter exit the library may already be going away: the process frees it all anyway.
+        if not sys.is_finalizing():
+            self.close()
+
+
+#: Images between two chances for other threads to take the GIL, in the per-image loops: about 100 us.
+_GIL_CHUNK = 32
+
+#: Whether this interpreter runs with a GIL at all (free-threaded builds may not).
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+def _let_others_run() -> None:
+    """Sleeps for an instant, so that a thread waiting for the GIL (a training loop) takes it now.
+
+    A release that is taken straight back (``time.sleep(0)``) does not do it: the waiting thread is
+    woken, but finds the GIL held again and waits on. A sleep of the timer's resolution (some 50 us
+    on Linux) lets it in; without a GIL there is nothing to let in.
+    """
+    if _GIL:
+        time.sleep(1e-6)
+
+
+def _package_directory() -> Path:
+    """The folder of the installed ``nvidia.nvimgcodec`` package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec("nvidia.nvimgcodec")
+    except (ImportError, ValueError) as exc:
+        raise Unsupported(f"nvImageCodec is not installed ({exc})") from exc
+    if spec is None or not spec.submodule_search_locations:
+        raise Unsupported("nvImageCodec is not installed (no nvidia.nvimgcodec package)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+_lock = threading.Lock()
+_loaded: Instance | Unsupported | None = None
+
+
+def load() -> Instance:
+    """The process's instance over the installed nvImageCodec, made on first call.
+
+    Raises:
+        Unsupported: Why the C API cannot be used here (the same reason on every call).
+    """
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                mismatched = {s.__name__: (sizeof(s), n) for s, n in _SIZES.items() if sizeof(s) != n}
+                if mismatched or IMAGE_INFO.itemsize != sizeof(_ImageInfo):
+                    raise Unsupported(
+                        f"the mirrored structs do not have nvImageCodec 0.9's sizes: {mismatched}"
+                    )
+                _loaded = Instance(Library(_package_directory()))
+            except Unsupported as exc:
+                _loaded = exc
+        if isinstance(_loaded, Unsupported):
+            raise _loaded
+        return _loaded

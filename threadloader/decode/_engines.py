@@ -1,0 +1,392 @@
+"""Two ways into nvImageCodec behind one batch interface: its C API (the default) and its Python API.
+
+The decoder (``nvimgcodec.py``) decides what to decode, as what and where; an engine does the talking
+to nvImageCodec: it reads a batch's headers, narrows images to a region, and decodes positions into
+memory the decoder allocated. :class:`CApiEngine` does the per-image steps without letting go of the
+GIL (``_capi.py``). :class:`PythonApiEngine` is the fallback where that binding cannot be used (another
+nvImageCodec version, a failed self-test); it lets go of the GIL about four times per image, each time a
+hand-off that a training loop beside it pays.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._regions import Region
+from . import _capi
+from ._jpeg import exif_orientation
+from .base import Encoded
+
+__all__ = [
+    "BACKENDS",
+    "HARDWARE_SHARE",
+    "CApiEngine",
+    "Engine",
+    "EngineBatch",
+    "Headers",
+    "Memory",
+    "PythonApiEngine",
+]
+
+#: Share of each batch the JPEG engine takes under ``backend="split"``: DALI's ``hw_decoder_load`` default.
+HARDWARE_SHARE = 0.65
+
+#: Accepted ``backend=`` values: the nvImageCodec backend kinds each allows, with their load hints
+#: (the share of a batch each takes); ``None``: all of them, nvImageCodec choosing per image.
+#: nvImageCodec 0.8 and 0.9 have no JPEG decoder of kind GPU_ONLY: nvJPEG's CUDA decoder registers as
+#: HYBRID_CPU_GPU (Huffman decoding on the CPU below a size threshold, on the GPU above), and kinds
+#: match exactly, so ``"cuda"`` and ``"hybrid"`` are that decoder.
+BACKENDS: dict[str, tuple[tuple[str, float], ...] | None] = {
+    "auto": None,
+    "hardware": (("HW_GPU_ONLY", 1.0),),  # the GPU's JPEG engine (A100, H100, H200...)
+    "cuda": (("HYBRID_CPU_GPU", 1.0),),
+    "hybrid": (("HYBRID_CPU_GPU", 1.0),),
+    "cpu": (("CPU_ONLY", 1.0),),
+    # the JPEG engine takes a fixed share of each batch and nvJPEG's CUDA decoder the rest, at once
+    "split": (("HW_GPU_ONLY", HARDWARE_SHARE), ("HYBRID_CPU_GPU", 1.0)),
+}
+
+
+@dataclass
+class Headers:
+    """What a batch's headers say, per position (zeros and ``""`` where ``failures`` has the position).
+
+    Attributes:
+        codecs: nvImageCodec's codec name: ``"jpeg"``, ``"png"``...
+        heights: As stored (before EXIF orientation).
+        widths: As stored.
+        channels: Colour channels of the encoded image (3 for RGB or YCbCr, 1 for gray, 4 for CMYK).
+        eight_bit: Whether its samples are 8-bit.
+        palette: Whether it is a palette image.
+        turned: Whether it is displayed with height and width swapped (EXIF orientations 5-8);
+            ``None`` where that is only known once decoded.
+        failures: Positions nvImageCodec could not parse, with the reason.
+    """
+
+    codecs: list[str]
+    heights: list[int]
+    widths: list[int]
+    channels: list[int]
+    eight_bit: list[bool]
+    palette: list[bool]
+    turned: list[bool | None]
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where one image decodes to: its first pixel, its ``(height, width)``, the bytes between its rows."""
+
+    address: int
+    shape: tuple[int, int]
+    row_stride: int
+
+
+class EngineBatch(ABC):
+    """One batch inside an engine, from its headers to its decode; used by one thread."""
+
+    headers: Headers
+
+    #: Positions whose decoded shape may differ from the one their headers give (their EXIF
+    #: orientation is not known before decoding): such an image cannot decode into a padded row.
+    uncertain: set[int]
+
+    @abstractmethod
+    def reparse(self, position: int, data: Encoded) -> str | None:
+        """Decodes ``data`` at ``position`` instead (a rewritten header); the reason if it does not parse."""
+
+    @abstractmethod
+    def crop(self, position: int, region: Region) -> bool:
+        """Decodes only ``region`` (display coordinates) of the image at ``position``; whether it can."""
+
+    @abstractmethod
+    def uncrop(self, positions: Sequence[int]) -> None:
+        """Decodes the whole images at ``positions`` again."""
+
+    @abstractmethod
+    def decode(
+        self, decoder: Any, memory: dict[int, Memory], stream: int
+    ) -> dict[int, tuple[int, int] | None]:
+        """Decodes each position of ``memory`` into it, in one call, ordered on ``stream``.
+
+        Returns:
+            Per position, the ``(height, width)`` it decoded as (its memory's shape, unless it is in
+            :attr:`uncertain`), or ``None`` where nvImageCodec gave up on it.
+
+        Raises:
+            Exception: If the call as a whole failed.
+        """
+
+
+class Engine(ABC):
+    """A way into nvImageCodec: makes Decoders, and batches that decode with them."""
+
+    #: Part of every Decoder's pool key: Decoders of one engine are no use to the other.
+    name: str
+
+    @abstractmethod
+    def new_decoder(self, device_index: int, backend: str, cpu_threads: int) -> Any:
+        """A new Decoder on the device, limited to ``backend``'s kinds (see :data:`BACKENDS`)."""
+
+    @abstractmethod
+    def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
+        """Reads the headers of a batch (the bytes must outlive the batch's :meth:`EngineBatch.decode`)."""
+
+
+class CApiEngine(Engine):
+    """nvImageCodec through its C API (``_capi.py``): no GIL hand-off per image, two per decoder call.
+
+    Each reader thread has a :class:`_capi.Workspace` of its own, reused batch after batch.
+    """
+
+    name = "capi"
+
+    def __init__(self, instance: _capi.Instance) -> None:
+        self._instance = instance
+        self._local = threading.local()
+
+    def new_decoder(self, device_index: int, backend: str, cpu_threads: int) -> _capi.Decoder:
+        kinds = BACKENDS[backend]
+        backends = None if kinds is None else [(getattr(_capi, kind), hint) for kind, hint in kinds]
+        with torch.cuda.device(device_index):
+            return _capi.Decoder(
+                self._instance, device_id=device_index, backends=backends, cpu_threads=cpu_threads
+            )
+
+    def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
+        workspace = getattr(self._local, "workspace", None)
+        if workspace is None:
+            workspace = self._local.workspace = _capi.Workspace(self._instance)
+        return _CApiBatch(workspace, encoded)
+
+
+class _CApiBatch(EngineBatch):
+    def __init__(self, workspace: _capi.Workspace, encoded: Sequence[Encoded]) -> None:
+        self._workspace = workspace
+        statuses = workspace.parse(encoded)
+        self.uncertain = set()
+        self.headers = _headers_of(workspace.infos[: len(encoded)], statuses)
+
+    def reparse(self, position: int, data: Encoded) -> str | None:
+        status = self._workspace.reparse(position, data)
+        return None if status == 0 else f"nvImageCodec cannot parse the rewritten header (status {status})"
+
+    def crop(self, position: int, region: Region) -> bool:
+        return self._workspace.crop(position, *region) == 0
+
+    def uncrop(self, positions: Sequence[int]) -> None:
+        self._workspace.uncrop(positions)
+
+    def decode(
+        self, decoder: Any, memory: dict[int, Memory], stream: int
+    ) -> dict[int, tuple[int, int] | None]:
+        positions = list(memory)
+        places = list(memory.values())
+        bound = self._workspace.bind(
+            positions,
+            [place.address for place in places],
+            [place.shape for place in places],
+            [place.row_stride for place in places],
+            stream=stream,
+            host=decoder.host,
+        )
+        extents: dict[int, tuple[int, int] | None] = dict.fromkeys(positions)
+        ready = [p for p, status in zip(positions, bound, strict=True) if status == 0]
+        for position, decoded in zip(ready, self._workspace.decode(decoder, ready), strict=True):
+            if decoded:
+                extents[position] = memory[position].shape
+        return extents
+
+
+_UINT8 = 0x0802
+_PALETTE = 6
+
+
+def _headers_of(infos: Any, statuses: list[int]) -> Headers:
+    """The headers of a batch from nvImageCodec's ImageInfo records, one vectorised read per field."""
+    codecs = [codec.decode("ascii", "replace") for codec in infos["codec"].tolist()]
+    return Headers(
+        codecs=codecs,
+        heights=infos["height"].tolist(),
+        widths=infos["width"].tolist(),
+        channels=(infos["num_planes"] * infos["num_channels"]).tolist(),  # planar: one channel a plane
+        eight_bit=(infos["sample_type"] == _UINT8).tolist(),
+        palette=(infos["color_spec"] == _PALETTE).tolist(),
+        turned=(infos["rotated"] % 180 == 90).tolist(),
+        failures={
+            p: f"nvImageCodec cannot parse it (status {status})"
+            for p, status in enumerate(statuses)
+            if status
+        },
+    )
+
+
+class PythonApiEngine(Engine):
+    """nvImageCodec through its Python API: the fallback, about four GIL hand-offs per image.
+
+    EXIF orientation is read from the JPEG header here (``_jpeg.py``), and checked against the shape
+    each result reports, since this API only tells once decoded.
+    """
+
+    name = "python"
+
+    def __init__(self, nvimgcodec: ModuleType) -> None:
+        self._nv = nvimgcodec
+        self._params = nvimgcodec.DecodeParams(
+            apply_exif_orientation=True, color_spec=nvimgcodec.SRGB, sample_format=nvimgcodec.I_RGB
+        )
+
+    def new_decoder(self, device_index: int, backend: str, cpu_threads: int) -> Any:
+        nv, kinds = self._nv, BACKENDS[backend]
+        backends = None
+        if kinds is not None:
+            backends = [
+                nv.Backend(getattr(nv, kind), load_hint=hint, load_hint_policy=nv.LoadHintPolicy.FIXED)
+                for kind, hint in kinds
+            ]
+        with torch.cuda.device(device_index):
+            return nv.Decoder(device_id=device_index, max_num_cpu_threads=cpu_threads, backends=backends)
+
+    def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
+        return _PythonBatch(self._nv, self._params, encoded)
+
+
+class _PythonBatch(EngineBatch):
+    def __init__(self, nvimgcodec: ModuleType, params: Any, encoded: Sequence[Encoded]) -> None:
+        self._nv = nvimgcodec
+        self._params = params
+        self._streams: dict[int, Any] = {}
+        self._wholes: dict[int, Any] = {}
+        self._kept: list[Encoded] = []  # rewritten headers, alive until decoded
+        count = len(encoded)
+        self.headers = Headers(
+            [""] * count,
+            [0] * count,
+            [0] * count,
+            [0] * count,
+            [False] * count,
+            [False] * count,
+            [None] * count,
+        )
+        self.uncertain = set()
+        for position, data in enumerate(encoded):
+            self._read(position, data)
+
+    def _read(self, position: int, data: Encoded) -> str | None:
+        """Parses one image into :attr:`headers`; the reason it cannot be, if not."""
+        headers = self.headers
+        try:
+            stream = _code_stream(self._nv, data)
+        except Exception as exc:  # unparsable here: Pillow gets a try
+            headers.failures[position] = reason = f"nvImageCodec cannot parse it ({exc})"
+            return reason
+        headers.failures.pop(position, None)
+        self._streams[position] = stream
+        # Each property read crosses into nvImageCodec (a GIL round trip): only what the batch needs.
+        codec = headers.codecs[position] = stream.codec_name
+        headers.heights[position], headers.widths[position] = stream.height, stream.width
+        headers.channels[position] = stream.num_channels
+        if codec == "jpeg":
+            headers.eight_bit[position] = True
+            orientation = exif_orientation(data)
+            headers.turned[position] = None if orientation is None else orientation >= 5
+            if orientation is None or orientation >= 5:
+                self.uncertain.add(position)  # the result's shape tells what nvImageCodec made of it
+        else:
+            headers.eight_bit[position] = str(stream.dtype) == "uint8"
+            headers.palette[position] = stream.color_spec == self._nv.ColorSpec.PALETTE
+            self.uncertain.add(position)
+        return None
+
+    def reparse(self, position: int, data: Encoded) -> str | None:
+        self._kept.append(data)
+        return self._read(position, data)
+
+    def crop(self, position: int, region: Region) -> bool:
+        top, left, height, width = region
+        whole = self._streams[position]
+        try:
+            self._streams[position] = whole.get_sub_code_stream(
+                region=self._nv.Region(top, left, top + height, left + width)
+            )
+        except Exception:
+            return False
+        self._wholes[position] = whole
+        return True
+
+    def uncrop(self, positions: Sequence[int]) -> None:
+        for position in positions:
+            self._streams[position] = self._wholes.pop(position)
+
+    def decode(
+        self, decoder: Any, memory: dict[int, Memory], stream: int
+    ) -> dict[int, tuple[int, int] | None]:
+        positions = list(memory)
+        wrapped = self._nv.as_images([_DeviceBuffer(memory[p]) for p in positions], cuda_stream=stream)
+        results = decoder.decode(
+            [self._streams[p] for p in positions], images=wrapped, params=self._params, cuda_stream=stream
+        )
+        extents: dict[int, tuple[int, int] | None] = {}
+        for position, result in zip(positions, results, strict=True):
+            place = memory[position]
+            extents[position] = (
+                None
+                if result is None
+                else _extent_in(result, place)
+                if position in self.uncertain
+                else place.shape
+            )
+        return extents
+
+
+def _extent_in(result: Any, place: Memory) -> tuple[int, int] | None:
+    """The ``(height, width)`` that ``result`` was decoded as into ``place``, if it is there.
+
+    nvImageCodec reports the shape it produced, which differs from the header's when EXIF orientation
+    swaps height and width; it then writes a contiguous image of that shape into the same memory.
+    """
+    height, width = int(result.shape[0]), int(result.shape[1])
+    if (height, width) == place.shape:
+        return place.shape
+    interface = result.__cuda_array_interface__
+    strides = interface.get("strides")
+    contiguous = strides is None or tuple(strides) == (width * 3, 3, 1)
+    fits = place.row_stride == place.shape[1] * 3 and height * width == place.shape[0] * place.shape[1]
+    return (height, width) if interface["data"][0] == place.address and contiguous and fits else None
+
+
+class _DeviceBuffer:
+    """An ``(H, W, 3)`` uint8 CUDA buffer described by ``__cuda_array_interface__`` (version 3).
+
+    Rows may be padded (a region in a padded batch): nvImageCodec writes to strided outputs. Plain
+    numbers, not a torch tensor's own interface, which costs far more per image. The memory is kept
+    alive by the decoder's allocation, not by this object, until the decode is done.
+    """
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, place: Memory) -> None:
+        height, width = place.shape
+        self.__cuda_array_interface__ = {
+            "shape": (height, width, 3),
+            "typestr": "|u1",
+            "data": (place.address, False),
+            "strides": None if place.row_stride == width * 3 else (place.row_stride, 3, 1),
+            "stream": None,  # ordering is given by as_images(cuda_stream=...) and decode's stream
+            "version": 3,
+        }
+
+
+def _code_stream(nvimgcodec: ModuleType, data: Encoded) -> Any:
+    """Parses the header; raises for data nvImageCodec does not recognize."""
+    stream = nvimgcodec.CodeStream(data if isinstance(data, bytes) else np.frombuffer(data, dtype=np.uint8))
+    _ = stream.height  # some formats (GIF) construct but fail on first access: fail here
+    return stream

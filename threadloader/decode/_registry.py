@@ -1,0 +1,117 @@
+"""Process-wide nvImageCodec state: Decoder pools, verdicts on what works, allocation streams.
+
+Why one thread per Decoder: with nvImageCodec 0.9.0, two threads calling one Decoder at once crashed
+the process (segmentation fault, nvjpeg "execution failed"), while separate Decoders on one device
+decode at the same time safely, and two of them decode more images per second than one
+(docs/design.md, "Decoder engines"). So a reader thread leases a Decoder for each call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["DecoderKey", "DecoderRegistry"]
+
+#: ``(engine, device index, backend, CPU threads)``: what a Decoder is made for and by.
+DecoderKey = tuple[str, int, str, int]
+
+
+class DecoderRegistry:
+    """Decoder pools, verdicts and allocation streams, shared by every decoder of the library.
+
+    Decoders are leased: a thread holds one for a call and returns it, so no two calls into one Decoder
+    run at once, whichever loader or service makes them, while different Decoders decode in parallel.
+    A pool makes Decoders only when every one it has is busy, up to the limit its caller gives: a single
+    reader thread never costs the memory of a second Decoder. The library uses one registry
+    (``nvimgcodec.SHARED``); a test makes its own, with Decoders of its own making.
+
+    Args:
+        new_decoder: Makes a Decoder, called with the key's fields.
+    """
+
+    def __init__(self, new_decoder: Callable[..., Any]) -> None:
+        self._new_decoder = new_decoder
+        self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)
+        self._idle: dict[Hashable, list[Any]] = {}
+        self._made: dict[Hashable, int] = {}
+        self._verdicts: dict[Hashable, bool] = {}
+        self._allocation_streams: dict[int, torch.cuda.Stream] = {}
+
+    def acquire(self, key: Hashable, limit: int) -> Any:
+        """A Decoder for ``key`` that no other thread calls until :meth:`release`.
+
+        An idle one if there is one; else a new one while fewer than ``limit`` exist for ``key``; else
+        waits for one to be released (every holder releases it when its call returns).
+        """
+        if limit < 1:
+            raise ValueError(f"a Decoder pool needs a limit of at least 1, got {limit}")
+        with self._returned:
+            idle = self._idle.setdefault(key, [])
+            while not idle and self._made.get(key, 0) >= limit:
+                self._returned.wait()
+            if idle:
+                return idle.pop()  # the most recently used: others stay idle, and unmade under light load
+            self._made[key] = self._made.get(key, 0) + 1
+        try:
+            return self._new_decoder(*key)  # type: ignore[misc]  # outside the lock: it takes a while
+        except BaseException:
+            with self._returned:
+                self._made[key] -= 1
+                self._returned.notify()
+            raise
+
+    def release(self, key: Hashable, decoder: Any) -> None:
+        """Returns a Decoder from :meth:`acquire` to its pool."""
+        with self._returned:
+            self._idle[key].append(decoder)
+            self._returned.notify()
+
+    @contextmanager
+    def lease(self, key: Hashable, limit: int) -> Iterator[Any]:
+        """:meth:`acquire` and :meth:`release` around a block."""
+        decoder = self.acquire(key, limit)
+        try:
+            yield decoder
+        finally:
+            self.release(key, decoder)
+
+    def made(self, key: Hashable) -> int:
+        """How many Decoders exist for ``key``."""
+        with self._lock:
+            return self._made.get(key, 0)
+
+    def verdict(self, subject: Hashable, check: Callable[[], bool]) -> bool:
+        """Whether ``subject`` works (region decoding on a device, the C API): ``check()``'s first answer.
+
+        ``check`` runs outside the lock (it decodes); two threads may both run it, and the first
+        verdict stored stands.
+        """
+        with self._lock:
+            works = self._verdicts.get(subject)
+        if works is None:
+            checked = check()
+            with self._lock:
+                works = self._verdicts.setdefault(subject, checked)
+        return works
+
+    def revoke(self, subject: Hashable) -> bool:
+        """Makes the verdict on ``subject`` "does not work"; whether this call changed it."""
+        with self._lock:
+            if self._verdicts.get(subject) is False:
+                return False
+            self._verdicts[subject] = False
+        return True
+
+    def allocation_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The device's stream that decode outputs are allocated on (see ``nvimgcodec._Outputs``)."""
+        with self._lock:
+            stream = self._allocation_streams.get(device.index)  # type: ignore[arg-type]
+            if stream is None:
+                stream = self._allocation_streams[device.index] = torch.cuda.Stream(device)  # type: ignore[index]
+        return stream
