@@ -68,11 +68,13 @@ class RowSpec:
     loader: str
     pipeline: str = "-"  # "-" for the fixed input, which has no pipeline
     priority: str = "high"  # ThreadLoader's reader streams: "high" (the library's) or "default"
+    engine: str = ""  # ThreadLoader's: "capi" (nvImageCodec's C API) or "python" (its Python API)
 
     @property
     def name(self) -> str:
         suffix = ", default stream priority" if self.priority == "default" else ""
-        return f"{self.loader}{suffix}"
+        engine = f"[{self.engine}]" if self.engine else ""
+        return f"{self.loader}{engine}{suffix}"
 
 
 @dataclass
@@ -127,6 +129,7 @@ def _loader(spec: RowSpec, args: argparse.Namespace) -> Generator[Batch, None, N
             num_threads=None,
             device=device,
             channels_last=True,
+            engine=spec.engine or None,
             **pipeline,
         )
     files = list_images(args.root)
@@ -223,12 +226,14 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
             for loader in args.loaders:
                 if loader == "fixed_input":
                     continue
-                specs.append(RowSpec(kind, loader, pipeline))
-                if loader == "threadloader" and args.priority == "both":
-                    specs.append(RowSpec(kind, loader, pipeline, priority="default"))
+                engines = args.engines if loader == "threadloader" and args.device == "cuda" else [""]
+                for engine in engines:
+                    specs.append(RowSpec(kind, loader, pipeline, engine=engine))
+                    if loader == "threadloader" and args.priority == "both":
+                        specs.append(RowSpec(kind, loader, pipeline, priority="default", engine=engine))
     if args.priority == "default":
         specs = [
-            RowSpec(s.kind, s.loader, s.pipeline, "default") if s.loader == "threadloader" else s
+            RowSpec(s.kind, s.loader, s.pipeline, "default", s.engine) if s.loader == "threadloader" else s
             for s in specs
         ]
     return specs
@@ -381,6 +386,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--kinds", type=_names(KINDS), default=list(KINDS), help="eager,graphed")
     p.add_argument("--pipelines", type=_names(PIPELINES), default=list(PIPELINES), help="resize,augment")
     p.add_argument("--loaders", type=_names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
+    p.add_argument(
+        "--engines", type=_names(("capi", "python")), default=["capi", "python"],
+        help="ThreadLoader rows on a GPU: nvImageCodec's C API, its Python API (default both)",
+    )  # fmt: skip
     p.add_argument(
         "--priority",
         choices=(*PRIORITIES, "both"),

@@ -22,6 +22,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+if not torch.cuda.is_available():
+    # Triton's kernels (transforms/_kernels.py) then run in its interpreter, on CPU tensors, where a
+    # test asks for it: tests/test_kernels.py. Read by Triton when a kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _gpu_unusable_reason() -> str | None:
     if not torch.cuda.is_available():

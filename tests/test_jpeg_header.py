@@ -6,7 +6,6 @@ import pytest
 from threadloader.decode._jpeg import (
     exif_orientation,
     has_end_marker,
-    may_swap_sides,
     normalize_gray_sampling,
 )
 
@@ -51,6 +50,12 @@ def test_exif_orientation_in_both_byte_orders() -> None:
     assert exif_orientation(encode(photo(20, 30, 7), quality=90)) == 1  # no EXIF
 
 
+def may_swap_sides(data: bytes | memoryview) -> bool:
+    """What the Python API engine makes of a header: turned (5-8) or unsure, so checked once decoded."""
+    orientation = exif_orientation(data)
+    return orientation is None or orientation >= 5
+
+
 def test_sides_may_swap_for_orientations_5_to_8_and_unsure_exif() -> None:
     # Pillow's transpose is the reference: the displayed image is the stored one turned on its side.
     for orientation in range(1, 9):
@@ -89,27 +94,36 @@ def test_exif_orientation_never_raises_on_damaged_headers() -> None:
         assert exif_orientation(junk) in (None, 1)
 
 
-def test_regions_are_asked_for_in_the_displayed_frame() -> None:
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_regions_are_asked_for_in_the_displayed_frame(orientation: int) -> None:
+    """The C API engine reads the orientation from the header; a region is asked for with the size
+    Pillow displays the image at (runs on the CPU: parsing needs no GPU)."""
+    from threadloader.decode import _capi
+    from threadloader.decode._engines import CApiEngine
     from threadloader.decode.nvimgcodec import _region
 
+    try:
+        engine = CApiEngine(_capi.load())
+    except _capi.Unsupported as exc:
+        pytest.skip(f"nvImageCodec 0.9's C API is not usable here: {exc}")
+    data = with_orientation(photo(20, 30, 9), orientation)
+    headers = engine.parse([data]).headers
+    shown = (
+        (headers.widths[0], headers.heights[0])
+        if headers.turned[0]
+        else (headers.heights[0], headers.widths[0])
+    )
+    assert shown == pil_reference(data).shape[:2]
     asked = []
 
     def region_of(position: int, size: tuple[int, int]) -> tuple[int, int, int, int]:
         asked.append(size)
         return (1, 2, 3, 4)
 
-    for orientation, expected in ((1, (20, 30)), (3, (20, 30)), (6, (30, 20)), (8, (30, 20))):
-        assert _region((20, 30), with_orientation(photo(20, 30, 9), orientation), 0, region_of) == (
-            1,
-            2,
-            3,
-            4,
-        )
-        assert asked[-1] == expected
-    whole = lambda position, size: (0, 0, *size)  # noqa: E731
-    assert _region((20, 30), encode(photo(20, 30, 9), quality=90), 0, whole) is None
-    # A header without a height (DNL-style): nothing to draw a crop from, so the whole image.
-    assert _region((0, 30), encode(photo(20, 30, 9), quality=90), 0, region_of) is None
+    assert _region(shown, 0, region_of) == (1, 2, 3, 4)
+    assert asked == [shown]
+    assert _region(shown, 0, lambda position, size: (0, 0, *size)) is None  # the whole: not a region
+    assert _region((0, 30), 0, region_of) is None  # a header without a height: nothing to draw from
 
 
 def test_end_marker_is_looked_for_in_the_tail_only() -> None:

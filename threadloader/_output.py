@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ._regions import Region
+from .transforms._kernels import resample
 from .transforms.functional import Images, normalize, resample_many, resize, resize_many, to_dtype
 
 __all__ = ["FLOAT_DTYPES", "OutputFormat"]
@@ -87,14 +88,39 @@ class OutputFormat:
                     f"size={self.size}, {type(images).__name__} of {len(images)}, {len(extents)} extents"
                 )
             regions = [(0, 0, height, width) for height, width in extents]
-            return self._layout(self._finish(images, self.size, regions))
+            fused = self._fused(images, regions)
+            return fused if fused is not None else self._layout(self._finish(images, self.size, regions))
         if self.size is None:
             if isinstance(images, torch.Tensor):
                 return list(self._finish(images, None).contiguous().unbind(0))
             return [self._finish(image.unsqueeze(0), None)[0].contiguous() for image in images]
         if not isinstance(images, torch.Tensor) and all(image.shape == images[0].shape for image in images):
             images = torch.stack(images)
+        if isinstance(images, torch.Tensor):
+            whole = [(0, 0, int(images.shape[-2]), int(images.shape[-1]))] * len(images)
+            fused = self._fused(images, whole)
+            if fused is not None:
+                return fused
         return self._layout(self._finish(images, self.size))
+
+    def _fused(self, batch: torch.Tensor, regions: list[Region]) -> torch.Tensor | None:
+        """The whole format (resize, dtype, normalization, layout) in one GPU kernel; ``None`` elsewhere.
+
+        Each torch op a reader thread dispatches lets go of the GIL, a hand-off a training loop pays
+        (``transforms/_kernels.py``); this is one launch per batch instead of a dozen ops.
+        """
+        assert self.size is not None
+        scale = not batch.is_floating_point() and self.dtype != torch.uint8
+        return resample(
+            batch,
+            regions,
+            self.size,
+            dtype=self.dtype,
+            divide=255.0 if scale else 1.0,
+            mean=self.mean,
+            std=self.std,
+            channels_last=self.channels_last,
+        )
 
     @property
     def _memory_format(self) -> torch.memory_format:

@@ -147,12 +147,16 @@ class BatchProducer:
     ) -> list[Outcome]:
         """Splits a decoded group into its batches: transformed, formatted and sealed, or their errors."""
         errors = group.errors(decoded)
-        # Formatted at once only for padded groups (regions, images of different sizes): their
-        # resampling works in chunks of bounded memory, where a group of same-size images would be
-        # converted to float whole.
+        # Transformed at once only for padded groups of regions (the transforms' host cost is per
+        # call); the output format alone is one kernel per batch on the GPU, so batches are formatted
+        # one by one and own their memory without a copy.
         formatted = (
             self._format(decoded, 0, len(group.refs), plans)
-            if decoded is not None and not any(errors) and len(group.batches) > 1 and _all_padded(decoded)
+            if self._transform is not None
+            and decoded is not None
+            and not any(errors)
+            and len(group.batches) > 1
+            and _all_padded(decoded)
             else None
         )
         outcomes: list[Outcome] = []

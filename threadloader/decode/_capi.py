@@ -26,7 +26,6 @@ import functools
 import importlib.util
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from ctypes import (
     POINTER,
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .._gil import Pacer
 
 __all__ = [
     "CPU_ONLY",
@@ -466,10 +467,10 @@ class Workspace:
         self.infos[:count]["struct_next"] = 0
         self._data = [None] * count
         statuses = []
+        pacer = Pacer()
         for position, item in enumerate(data):
             statuses.append(self._parse_one(position, item))
-            if position % _GIL_CHUNK == _GIL_CHUNK - 1:
-                _let_others_run()
+            pacer.tick()
         self._chosen[:count] = self._streams[:count]
         return statuses
 
@@ -571,10 +572,10 @@ class Workspace:
         make, instance = self._library.ImageCreate, self._instance.handle
         images, infos_at, size = self._images.ctypes.data, infos.ctypes.data, IMAGE_INFO.itemsize
         statuses = []
-        for count, position in enumerate(positions):
+        pacer = Pacer()
+        for position in positions:
             statuses.append(make(instance, images + 8 * position, infos_at + size * position))
-            if count % _GIL_CHUNK == _GIL_CHUNK - 1:
-                _let_others_run()
+            pacer.tick()
         return statuses
 
     def decode(self, decoder: Decoder, positions: Sequence[int]) -> list[bool]:
@@ -632,24 +633,6 @@ class Workspace:
         # At interpreter exit the library may already be going away: the process frees it all anyway.
         if not sys.is_finalizing():
             self.close()
-
-
-#: Images between two chances for other threads to take the GIL, in the per-image loops: about 100 us.
-_GIL_CHUNK = 32
-
-#: Whether this interpreter runs with a GIL at all (free-threaded builds may not).
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
-
-
-def _let_others_run() -> None:
-    """Sleeps for an instant, so that a thread waiting for the GIL (a training loop) takes it now.
-
-    A release that is taken straight back (``time.sleep(0)``) does not do it: the waiting thread is
-    woken, but finds the GIL held again and waits on. A sleep of the timer's resolution (some 50 us
-    on Linux) lets it in; without a GIL there is nothing to let in.
-    """
-    if _GIL:
-        time.sleep(1e-6)
 
 
 def _package_directory() -> Path:

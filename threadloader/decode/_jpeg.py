@@ -11,7 +11,6 @@ from collections.abc import Iterator
 __all__ = [
     "exif_orientation",
     "has_end_marker",
-    "may_swap_sides",
     "normalize_gray_sampling",
     "with_exif_orientation",
 ]
@@ -87,16 +86,6 @@ def exif_orientation(data: bytes | bytearray | memoryview) -> int | None:
             found = True
             orientation = _tiff_orientation(bytes(view[position + 10 : position + 2 + length]))
     return None
-
-
-def may_swap_sides(data: bytes | bytearray | memoryview) -> bool:
-    """Whether a JPEG may be displayed with height and width swapped (EXIF orientation 5-8, or unsure).
-
-    A walk over the header's segments, not a search for EXIF's signature: the search scans the whole
-    file when there is no EXIF (most files), several times slower than the walk, and holds the GIL.
-    """
-    orientation = exif_orientation(data)
-    return orientation is None or orientation >= 5
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:

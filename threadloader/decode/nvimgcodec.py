@@ -23,6 +23,8 @@ from types import ModuleType
 
 import torch
 
+from .._gil import Pacer
+from .._regions import Region
 from .._stats import StatsRecorder
 from . import _capi
 from ._engines import (
@@ -408,7 +410,9 @@ class NvImageCodecDecoder(ImageDecoder):
         batch = self._engine.parse(encoded)
         parsed = _Parsed(batch)
         headers = batch.headers
+        pacer = Pacer()
         for position, data in enumerate(encoded):
+            pacer.tick()
             reason = headers.failures.get(position)
             if reason is not None:  # unparsable here: Pillow gets a try
                 parsed.to_cpu[position] = reason
@@ -433,10 +437,11 @@ class NvImageCodecDecoder(ImageDecoder):
                 continue
             turned = headers.turned[position]
             shown = (width, height) if turned else (height, width)
+            # Regions of JPEGs whose frame is known (the Python API may not know it before decoding).
             region = None
-            if region_of is not None and codec == "jpeg" and turned is not None and min(shown) >= 1:
-                region = region_of(position, shown)
-                if region == (0, 0, *shown) or (region is not None and not batch.crop(position, region)):
+            if region_of is not None and codec == "jpeg" and turned is not None:
+                region = _region(shown, position, region_of)
+                if region is not None and not batch.crop(position, region):
                     region = None
             if region is None:
                 parsed.shapes[position] = shown
@@ -634,6 +639,18 @@ def _cpu_reason(headers: Headers, position: int, data: Encoded) -> str | None:
     if headers.palette[position]:
         return f"palette {codec} is decoded on the CPU"
     return None
+
+
+def _region(shown: tuple[int, int], position: int, region_of: RegionOf) -> Region | None:
+    """The part of an image displayed as ``shown`` to decode: ``region_of``'s answer, unless the whole.
+
+    Asked with the size as displayed: nvImageCodec crops after applying EXIF orientation (measured for
+    every orientation), so a region is in the displayed frame.
+    """
+    if min(shown) < 1:  # a header without a height (DNL): no size to draw a crop from
+        return None
+    region = region_of(position, shown)
+    return None if region == (0, 0, *shown) else region
 
 
 def _sample(name: str) -> bytes:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .._regions import Region
+from . import _kernels
 
 __all__ = [
     "Images",
@@ -154,10 +155,14 @@ def _resample_batched(
     antialias: bool,
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """:func:`resample_many` on the GPU: matrix products, in chunks of bounded memory.
+    """:func:`resample_many` on the GPU: one Triton kernel, else matrix products in chunks of bounded memory.
 
     Runs on any device; the CPU tests call it directly, as CI has no GPU.
     """
+    if antialias and isinstance(images, torch.Tensor):
+        fused = _kernels.resample(images, regions, size, dtype=dtype or images.dtype)
+        if fused is not None:
+            return fused
     height = max(h for h, _ in sizes)
     width = max(w for _, w in sizes)
     channels = images.shape[-3] if isinstance(images, torch.Tensor) else images[0].shape[-3]

@@ -1,0 +1,56 @@
+"""Letting a thread that waits for the GIL in, from the readers' loops that hold it.
+
+A reader that keeps the GIL for a whole group of images (its file reads and nvImageCodec's per-image
+calls hold it, on purpose: letting go of it per image costs a training loop a hand-off each time)
+would keep a training loop that wants it back waiting for the whole group. So the per-image loops
+call :meth:`Pacer.tick`, which sleeps an instant once :data:`EVERY` seconds have passed: long enough
+for the waiting thread to take the GIL. Merely letting go of it is not: the releasing thread takes it
+straight back before the waiting one has woken. Without a GIL (free-threaded Python), nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import threading
+import time
+
+__all__ = ["EVERY", "Pacer"]
+
+#: Most seconds a reader's loop keeps the GIL before letting a waiting thread in.
+EVERY = 100e-6
+#: How long it then sleeps: long enough for a waiting thread to wake and take the GIL.
+_PAUSE = 20e-6
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+_PR_SET_TIMERSLACK = 29
+_slack = threading.local()
+
+
+class Pacer:
+    """Call :meth:`tick` once per item of a loop that keeps the GIL; one per loop, in one thread."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    def tick(self) -> None:
+        """Sleeps an instant if the loop has kept the GIL for :data:`EVERY` seconds since the last time."""
+        if not _GIL:
+            return
+        now = time.perf_counter()
+        if now - self._since >= EVERY:
+            _pause()
+            self._since = time.perf_counter()
+
+
+def _pause() -> None:
+    if not getattr(_slack, "set", False):
+        # Linux wakes a sleeping thread up to 50 us late by default (its timer slack, per thread):
+        # 1 us here, so that the pause lasts about what it asks for.
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+        _slack.set = True
+    time.sleep(_PAUSE)
