@@ -427,6 +427,7 @@ class Workspace:
         self._capacity = 0
         # Handles, per position: code streams, their regions' sub-streams, output images (0: none yet).
         self._streams = self._regions = self._images = np.zeros(0, dtype=np.uint64)
+        self._streams_at = self._regions_at = self._images_at = self._infos_at = 0
         self._chosen = np.zeros(0, dtype=np.uint64)  # per position: what is decoded, a stream or a region
         self.infos = np.zeros(0, IMAGE_INFO)
         self._data: list[Any] = []  # what each code stream reads: kept alive until the next parse
@@ -450,6 +451,9 @@ class Workspace:
         self.infos = np.zeros(capacity, IMAGE_INFO)
         self.infos["struct_type"], self.infos["struct_size"] = _IMAGE_INFO, IMAGE_INFO.itemsize
         self._capacity = capacity
+        # Addresses read once: each ``.ctypes`` access makes a Python object, about a microsecond.
+        self._streams_at, self._regions_at = self._streams.ctypes.data, self._regions.ctypes.data
+        self._images_at, self._infos_at = self._images.ctypes.data, self.infos.ctypes.data
 
     def parse(self, data: Sequence[Any]) -> list[int]:
         """Makes a code stream over each encoded image and reads its header into :attr:`infos`.
@@ -490,11 +494,11 @@ class Workspace:
         self._data[position] = item
         library = self._library
         status = library.CodeStreamCreateFromHostMem(
-            self._instance.handle, self._streams.ctypes.data + 8 * position, pointer, len(item), None
+            self._instance.handle, self._streams_at + 8 * position, pointer, len(item), None
         )
         if status == 0:
             status = library.CodeStreamGetImageInfo(
-                int(self._streams[position]), self.infos.ctypes.data + IMAGE_INFO.itemsize * position
+                int(self._streams[position]), self._infos_at + IMAGE_INFO.itemsize * position
             )
         return status
 
@@ -507,7 +511,7 @@ class Workspace:
         region = self._view.region
         region.start[0], region.start[1], region.end[0], region.end[1] = top, left, top + height, left + width
         status = self._library.CodeStreamGetSubCodeStream(
-            int(self._streams[position]), self._regions.ctypes.data + 8 * position, ctypes.byref(self._view)
+            int(self._streams[position]), self._regions_at + 8 * position, ctypes.byref(self._view)
         )
         if status == 0:
             self._chosen[position] = self._regions[position]
@@ -570,7 +574,7 @@ class Workspace:
             chosen[name] = value
         infos[index] = chosen  # the orientation read from the header stays: the decoder applies it from here
         make, instance = self._library.ImageCreate, self._instance.handle
-        images, infos_at, size = self._images.ctypes.data, infos.ctypes.data, IMAGE_INFO.itemsize
+        images, infos_at, size = self._images_at, self._infos_at, IMAGE_INFO.itemsize
         statuses = []
         pacer = Pacer()
         for position in positions:

@@ -1,0 +1,63 @@
+"""The readers' pacing of loops that hold the GIL (threadloader/_gil.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from threadloader import _gil
+
+
+def test_a_loop_sleeps_once_it_has_held_the_gil_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    pauses: list[float] = []
+    monkeypatch.setattr(_gil, "_GIL", True)
+    monkeypatch.setattr(_gil.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_gil.time, "sleep", pauses.append)
+    pacer = _gil.Pacer()
+    for _ in range(9):  # 9 items of 30 us: pauses after the 4th (120 us) and the 8th
+        clock[0] += 30e-6
+        pacer.tick()
+    assert pauses == [_gil._PAUSE, _gil._PAUSE]
+
+
+def test_without_a_gil_there_is_nothing_to_let_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(_gil, "_GIL", False)
+    monkeypatch.setattr(_gil.time, "sleep", pauses.append)
+    pacer = _gil.Pacer()
+    deadline = time.perf_counter() + 0.01
+    while time.perf_counter() < deadline:
+        pacer.tick()
+    assert pauses == []
+
+
+def test_a_waiting_thread_gets_the_gil_during_a_paced_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that never lets go of the GIL but for its pacing: a thread waiting for the GIL runs within
+    the loop, where without the pacing it would wait for the interpreter's switch interval (1 s here)."""
+    monkeypatch.setattr(_gil, "_GIL", True)
+    previous = sys.getswitchinterval()
+    go, ran = threading.Event(), []
+
+    def other() -> None:
+        go.wait()  # then it needs the GIL, which the loop below holds
+        ran.append(time.perf_counter())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    sys.setswitchinterval(1.0)
+    try:
+        pacer = _gil.Pacer()
+        go.set()
+        begin = time.perf_counter()
+        while not ran and time.perf_counter() - begin < 0.5:
+            for _ in range(200):  # Python that keeps the GIL
+                pass
+            pacer.tick()
+    finally:
+        sys.setswitchinterval(previous)
+        thread.join(5)
+    assert ran and ran[0] - begin < 0.1, "the waiting thread did not get the GIL during the paced loop"
