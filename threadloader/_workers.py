@@ -6,6 +6,7 @@ reads between the steps of a batch (a sample, an image, a batch), so a thread en
 however long its batch is, and its owner's waits are woken. The threads are daemons, and an ``atexit``
 hook cancels every group and waits until its threads have returned: a thread abandoned inside torch
 when the interpreter finalizes aborts the process (``terminate called without an active exception``).
+A daemon thread of the user's still iterating then waits until the process ends (:func:`_exiting`).
 
 :class:`OrderedPool` runs numbered tasks on a group and hands results out in task order. Ordering does
 not depend on thread timing: tasks are numbered when they are taken, results are keyed by that number,
@@ -44,6 +45,8 @@ EXIT_NOTICE = 10.0
 
 _groups: weakref.WeakSet[ThreadGroup] = weakref.WeakSet()
 _groups_lock = threading.Lock()  # a WeakSet may not be changed while the exit hook copies it
+#: Set by the exit hook: a group made after it would start threads that nothing stops before finalization.
+_exited = False
 
 
 class ThreadGroup:
@@ -72,7 +75,11 @@ class ThreadGroup:
             for i in range(count)
         ]
         with _groups_lock:
-            _groups.add(self)
+            exited = _exited
+            if not exited:
+                _groups.add(self)
+        if exited:
+            raise _exiting()
         for thread in self._threads:
             thread.start()
 
@@ -116,7 +123,9 @@ def _end_threads_at_exit() -> None:
     forever) holds the exit here, said on stderr after :data:`EXIT_NOTICE` seconds; Ctrl-C ends the
     wait. Returning earlier would leave the thread inside torch while the interpreter finalizes.
     """
+    global _exited
     with _groups_lock:
+        _exited = True
         groups = list(_groups)
     for group in groups:
         group.cancel()
@@ -187,9 +196,7 @@ class OrderedPool(Generic[T]):
                 was already waiting.
         """
         with self._cv:
-            while True:
-                if self._closed_error is not None:
-                    raise self._closed_error()
+            while self._closed_error is None:
                 if self._handed in self._results:
                     ok, value = self._results.pop(self._handed)
                     self._handed += 1
@@ -202,6 +209,8 @@ class OrderedPool(Generic[T]):
                 if not any(thread.is_alive() for thread in self._group.threads):
                     raise RuntimeError("all reader threads ended without producing the next batch")
                 self._cv.wait(POLL)
+            error = self._closed_error
+        raise error()  # outside the lock: the exit hook's error keeps a daemon thread here (_exiting)
 
     def close(self, error: Callable[[], BaseException] = StopIteration) -> None:
         """Stops taking tasks, drops pending results, cancels the work in progress and joins the threads.
@@ -260,4 +269,15 @@ class OrderedPool(Generic[T]):
 
 
 def _exiting() -> LoaderClosedError:
+    """Where a thread ends up that uses a pool, or starts a group, once the exit hook has run.
+
+    Only daemon threads still run then (Python joins the others before ``atexit`` hooks), and the main
+    thread in an exit hook that runs after this module's. A daemon thread waits here until the process
+    ends, as Python stops daemon threads at exit: silently, with the script's exit code, and never inside
+    torch, where stopping a thread aborts the process. Raising would unwind it, and the torch calls that
+    unwinding makes (freeing its batches) race the interpreter's finalization. The main thread, which
+    the process waits for, gets the error instead.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        threading.Event().wait()
     return LoaderClosedError("the interpreter is exiting: its exit hook closed this loader")
