@@ -139,6 +139,36 @@ def test_single_shard_path(shards: Path) -> None:
     assert [t.tolist() for _, t in loader] == [list(range(PER_SHARD, 2 * PER_SHARD))]
 
 
+def test_a_glob_is_the_matching_shards_sorted_by_name(shards: Path, blobs: list[bytes]) -> None:
+    (shards / "notes.txt").write_text("not a shard")
+    expected = [str(shards / f"{s:06d}.tar") for s in range(SHARDS)]
+    loader = ThreadLoader(str(shards / "*.tar"), batch_size=N)
+    assert loader.source.shards == expected
+    ((images, targets),) = list(loader)
+    assert targets.tolist() == list(range(N))
+    check_pixels(images, blobs, targets.tolist())
+    # In a list, after braces, and as a Path: each glob expands where it stands.
+    mixed = TarShards([shards / "00000[12].tar", str(shards / "{000000,00000?}.tar")])
+    assert mixed.shards == [*expected[1:], expected[0], *expected]
+
+
+def test_a_path_that_exists_is_not_taken_for_a_glob(shards: Path, blobs: list[bytes]) -> None:
+    literal = shards / "[0].tar"
+    write_shard(literal, [sample(blobs, 0)])
+    assert TarShards(str(literal)).shards == [str(literal)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [("nowhere/*.tar", "no file matches this glob"), ("s3://bucket/train-*.tar", "URLs are not globbed")],
+    ids=["no-match", "url"],
+)
+def test_a_glob_that_cannot_be_expanded_names_the_brace_syntax(spec: str, says: str) -> None:
+    with pytest.raises(ShardError, match=says) as raised:
+        ThreadLoader(spec)
+    assert raised.value.shard == spec and "{000000..000127}" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [

@@ -243,7 +243,7 @@ def as_source(source: object) -> Source:
     """Checks a user's source and returns something indexable.
 
     A directory becomes an :class:`ImageFolder`; a tar shard pattern (``"shards/{000000..000127}.tar"``,
-    one ``.tar`` path or URL) or a list of ``.tar`` paths becomes a ``TarShards``.
+    a glob ``"shards/*.tar"``, one ``.tar`` path or URL) or a list of them becomes a ``TarShards``.
 
     Raises:
         TypeError: If ``source`` is neither a directory nor a map-style dataset, with the likely fix.

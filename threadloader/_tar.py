@@ -15,6 +15,7 @@ the walk on open (docs/sources.md has it measured) and a little memory per sampl
 from __future__ import annotations
 
 import bisect
+import glob
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ _TARGETS = ("auto", "cls", "txt", "json")
 # Compressed shards cannot be read by position: named so the error says what the file is.
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_GLOB = re.compile(r"[*?[]")  # what makes a local path a glob, as for the glob module
 
 
 class ShardError(ThreadLoaderError):
@@ -73,7 +75,7 @@ def _rebuild_shard_error(message: str, shard: str, member: str | None) -> ShardE
 
 
 def is_shard_spec(source: str | os.PathLike[str]) -> bool:
-    """Whether a path, URL or brace pattern names tar shards (by its suffix)."""
+    """Whether a path, URL, brace pattern or glob names tar shards (by its suffix)."""
     return os.fspath(source).lower().endswith(SHARD_SUFFIXES)
 
 
@@ -356,7 +358,8 @@ class TarShards:
 
     Args:
         shards: A path or URL, a brace pattern (``"shards/{000000..000127}.tar"``, expanded as
-            WebDataset does), or a sequence of them. URLs are read through fsspec
+            WebDataset does), a glob of local paths (``"shards/*.tar"``: the matching files, sorted by
+            name), or a sequence of them. URLs are read through fsspec
             (``pip install 'threadloader[remote]'``).
         image: Extension(s) of the image member, first match wins: ``"jpg"``, ``("jpg", "png")``
             or ``"jpg;png"``. Default: every extension :class:`ImageFolder` reads.
@@ -498,7 +501,32 @@ def _expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -
     if not all(isinstance(spec, (str, os.PathLike)) for spec in specs):
         kinds = sorted({type(spec).__name__ for spec in specs})
         raise TypeError(f"shards must be paths or URLs (str or os.PathLike), got {', '.join(kinds)}")
-    return [url for spec in specs for url in expand_braces(os.fspath(spec))]
+    return [
+        url for spec in specs for pattern in expand_braces(os.fspath(spec)) for url in _matching(pattern)
+    ]
+
+
+def _matching(pattern: str) -> list[str]:
+    """A local glob's shards, sorted by name; any other path or URL alone, as it is.
+
+    URLs are not globbed: HTTP cannot list, and a ``?`` or ``[`` is part of many URLs (a query, an IPv6
+    host). A ``*`` in one is refused with the brace syntax that names the shards instead.
+
+    Raises:
+        ShardError: If a local glob matches no file, or a URL holds a ``*``.
+    """
+    brace = "name the shards with a brace range instead: 'shards/{000000..000127}.tar'"
+    if is_url(pattern):
+        if "*" in pattern:
+            raise ShardError(f"{pattern}: URLs are not globbed; {brace}", shard=pattern)
+        return [pattern]
+    if not _GLOB.search(pattern) or os.path.exists(pattern):
+        return [pattern]
+    matches = sorted(glob.glob(pattern))
+    if not matches:
+        where = f"from {os.getcwd()!r}"
+        raise ShardError(f"{pattern}: no file matches this glob ({where}); {brace}", shard=pattern)
+    return matches
 
 
 def _extensions(image: str | Sequence[str] | None) -> tuple[str, ...]:
