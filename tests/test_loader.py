@@ -6,6 +6,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -25,9 +26,9 @@ from torch.utils.data import (
     SubsetRandomSampler,
 )
 
-from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
+from threadloader import BatchDecoder, ImageFolder, SampleError, ThreadLoader, ThreadLoaderError, _workers
 from threadloader.decode import PillowDecoder
-from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 
 from .conftest import encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
 
@@ -698,6 +699,41 @@ def test_default_options_on_cpu(blobs: list[bytes], refs: list[np.ndarray]) -> N
     assert [tuple(image.shape) for image in images] == [(3, H, W)] * N
     assert all(image.device.type == "cpu" for image in images)
     assert_pixels(images, refs, list(range(N)))
+
+
+class _RecordTorchThreads(Transform):
+    """Notes torch's intra-op thread count in the thread that applies it (a reader thread)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return images
+
+
+@pytest.mark.parametrize("front", ["ThreadLoader", "BatchDecoder"])
+def test_readers_run_torch_on_one_thread_and_leave_everyone_elses(blobs: list[bytes], front: str) -> None:
+    """The readers are the parallelism (as DataLoader's workers, each runs torch's ops alone); the main
+    thread, and threads started after them, keep torch's count: nothing process-wide changed."""
+    if _workers._omp_set_num_threads() is None:
+        pytest.skip("torch's OpenMP runtime cannot be reached here: readers keep torch's default")
+    before = torch.get_num_threads()
+    # Set explicitly (to what it is): a thread's first torch call then sets its count from it, and
+    # would undo a count set before that call.
+    torch.set_num_threads(before)
+    record = _RecordTorchThreads()
+    if front == "ThreadLoader":
+        list(ThreadLoader(blobs, batch_size=4, num_threads=2, transform=record))
+    else:
+        with BatchDecoder(device="cpu", num_threads=2, transform=record) as decoder:
+            decoder.decode(blobs[0])
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert record.seen and set(record.seen) == {1}
+    assert torch.get_num_threads() == before and later == [before]
 
 
 def test_size_none_keeps_each_original_size() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import sys
 import threading
@@ -27,6 +28,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from ._cancel import Cancelled, bind_cancel
 from .errors import LoaderClosedError
@@ -111,8 +114,37 @@ class ThreadGroup:
 
     def _run(self, target: Callable[[int], None], index: int) -> None:
         bind_cancel(self.cancelled)
+        one_intra_op_thread()
         with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
             target(index)
+
+
+def one_intra_op_thread() -> None:
+    """Makes torch run the calling thread's ops on that thread alone, as DataLoader's workers do.
+
+    The readers are the parallelism: with each also splitting its resizes over every core (torch's
+    default), a 2-core machine ran 2 x 2 threads that wait for each other at every op, and on a busy
+    machine a large batch of mixed sizes loaded several times slower (docs/design.md has the numbers).
+    ``torch.set_num_threads(1)`` would do it for every thread of the process, the training loop's too,
+    so this sets OpenMP's per-thread count instead, after torch's own first setting of it in this
+    thread. Where torch's OpenMP runtime cannot be reached, nothing changes.
+    """
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        torch.get_num_threads()  # torch sets a thread's OpenMP count on its first call: let it go first
+        set_threads(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], object] | None:
+    """OpenMP's ``omp_set_num_threads`` of the runtime torch runs on, or ``None``."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:  # looked up from torch's own extension: the search covers the libraries it links, so its runtime
+        found: Callable[[int], object] = ctypes.CDLL(torch._C.__file__).omp_set_num_threads
+    except (AttributeError, OSError):
+        return None
+    return found
 
 
 @atexit.register
