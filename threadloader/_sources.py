@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
@@ -103,32 +103,29 @@ class Source(Protocol):
 #: makes one per sample, and an object with fields costs several times more to build.
 Fetched: TypeAlias = "tuple[int, Encoded, Any]"
 
-# What a type is, looked up once per type: isinstance against an ABC (os.PathLike, Sequence, Deferred)
-# costs more per sample than the rest of the check.
 _PATH, _BYTES, _DEFERRED, _PAIR, _OTHER = range(5)
-_KINDS: dict[type, int] = {str: _PATH, bytes: _BYTES, tuple: _PAIR, list: _PAIR}
-_MAX_KINDS = 1024  # types made on the fly would grow the table without bound: past this, not kept
-# Written by any reader thread without a lock, on purpose: a dict's get and set are each atomic, and two
-# threads that race both store the same kind for the same type.
 
 
-def _kind(cls: type) -> int:
-    kind = _KINDS.get(cls)
-    if kind is not None:
-        return kind
+def _kind_of(cls: type) -> int:
+    """What a sample's type is: a path, bytes, a Deferred, a pair or something else.
+
+    The checks against ABCs (os.PathLike, Deferred, Sequence) cost more than the rest of a sample's
+    fetch, so :func:`_kind` does them once per type.
+    """
     if issubclass(cls, (str, os.PathLike)):
-        kind = _PATH
-    elif issubclass(cls, (bytes, bytearray, memoryview)):
-        kind = _BYTES
-    elif issubclass(cls, Deferred):
-        kind = _DEFERRED
-    elif issubclass(cls, Sequence):
-        kind = _PAIR
-    else:
-        kind = _OTHER
-    if len(_KINDS) < _MAX_KINDS:
-        _KINDS[cls] = kind
-    return kind
+        return _PATH
+    if issubclass(cls, (bytes, bytearray, memoryview)):
+        return _BYTES
+    if issubclass(cls, Deferred):
+        return _DEFERRED
+    if issubclass(cls, Sequence):
+        return _PAIR
+    return _OTHER
+
+
+#: :func:`_kind_of`, cached per type (docs/design.md has the cost it saves); bounded, as types made on
+#: the fly would grow it for ever.
+_kind: Callable[[type], int] = functools.lru_cache(maxsize=1024)(_kind_of)
 
 
 def origin_of(data: Encoded) -> str:
