@@ -5,12 +5,11 @@ A source is anything with ``__len__`` and ``__getitem__`` whose items are a path
 indexed from reader threads, never pickled, so classes defined in a notebook cell work as they are.
 Bytes that live elsewhere (a tar member, a URL) are a :class:`Deferred`: the source says where they are,
 and the reader thread reads them in the ``read`` stage. Tar shards (``_tar``) and URLs (``_remote``, through
-fsspec) plug in that way.
+fsspec) plug in that way; both sit below this module, on :mod:`._encoded`.
 """
 
 from __future__ import annotations
 
-import abc
 import functools
 import logging
 import os
@@ -22,7 +21,9 @@ from typing import Any, Protocol, TypeAlias
 from torch.utils.data import IterableDataset
 
 from ._cancel import check_cancelled
+from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import is_url, read_url, require_fsspec
+from ._tar import TarShards, is_shard_spec
 from .errors import SampleError
 
 __all__ = [
@@ -38,29 +39,6 @@ __all__ = [
     "origin_of",
     "read_batch",
 ]
-
-#: File extensions an :class:`ImageFolder` picks up (the same set as torchvision's ImageFolder).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-class Deferred(abc.ABC):
-    """Encoded bytes that are read later, in a reader thread: a tar member, a file behind a URL.
-
-    A source may return one wherever it could return a path; ``read`` must be safe to call from many
-    threads at once, and anything it raises becomes the sample's :class:`SampleError` (stage ``"read"``).
-    """
-
-    __slots__ = ()
-
-    @property
-    @abc.abstractmethod
-    def origin(self) -> str:
-        """Where the bytes are, for error messages (a URL, ``shard.tar:member``)."""
-
-    @abc.abstractmethod
-    def read(self) -> bytes:
-        """The encoded bytes."""
-
 
 class RemoteFile(Deferred):
     """A file behind an fsspec URL (``s3://``, ``gs://``, ``https://``, ``file://``, ``memory://``)."""
@@ -246,9 +224,6 @@ def as_source(source: object) -> Source:
         TypeError: If ``source`` is neither a directory nor a map-style dataset, with the likely fix.
         ImportError: If the source names URLs and fsspec is not installed.
     """
-    # Imported here: _tar builds on this module (Deferred, IMAGE_EXTENSIONS); this is only the dispatch.
-    from ._tar import TarShards, is_shard_spec
-
     if isinstance(source, (str, os.PathLike)):
         if os.path.isdir(source):
             return ImageFolder(source)

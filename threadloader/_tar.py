@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
+from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import filesystem, is_url
-from ._sources import IMAGE_EXTENSIONS, Deferred
 from .errors import ThreadLoaderError
 
 __all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
