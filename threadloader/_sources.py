@@ -40,6 +40,7 @@ __all__ = [
     "read_batch",
 ]
 
+
 class RemoteFile(Deferred):
     """A file behind an fsspec URL (``s3://``, ``gs://``, ``https://``, ``file://``, ``memory://``)."""
 

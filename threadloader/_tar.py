@@ -481,9 +481,7 @@ def _expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -
     if not all(isinstance(spec, (str, os.PathLike)) for spec in specs):
         kinds = sorted({type(spec).__name__ for spec in specs})
         raise TypeError(f"shards must be paths or URLs (str or os.PathLike), got {', '.join(kinds)}")
-    return [
-        url for spec in specs for pattern in expand_braces(os.fspath(spec)) for url in _matching(pattern)
-    ]
+    return [url for spec in specs for pattern in expand_braces(os.fspath(spec)) for url in _matching(pattern)]
 
 
 def _matching(pattern: str) -> list[str]:
