@@ -7,6 +7,8 @@ however long its batch is, and its owner's waits are woken. The threads are daem
 hook cancels every group and waits until its threads have returned: a thread abandoned inside torch
 when the interpreter finalizes aborts the process (``terminate called without an active exception``).
 A daemon thread of the user's still iterating then waits until the process ends (:func:`_exiting`).
+Each thread runs torch's ops on itself alone (:func:`_one_intra_op_thread`): the threads are the
+parallelism.
 
 :class:`OrderedPool` runs numbered tasks on a group and hands results out in task order. Ordering does
 not depend on thread timing: tasks are numbered when they are taken, results are keyed by that number,
@@ -114,12 +116,12 @@ class ThreadGroup:
 
     def _run(self, target: Callable[[int], None], index: int) -> None:
         bind_cancel(self.cancelled)
-        one_intra_op_thread()
+        _one_intra_op_thread()
         with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
             target(index)
 
 
-def one_intra_op_thread() -> None:
+def _one_intra_op_thread() -> None:
     """Makes torch run the calling thread's ops on that thread alone, as DataLoader's workers do.
 
     The readers are the parallelism: with each also splitting its resizes over every core (torch's
