@@ -187,8 +187,7 @@ def run(args: argparse.Namespace) -> str:
     return (
         f"threadloader: {rate} on {where}; {args.epochs} epoch(s) of {len(source):,} images at "
         f"{args.size}x{args.size} in batches of {args.batch_size}, {loader.num_threads} threads; first batch "
-        f"after {first:.2f} s"
-        f"{skipped}"
+        f"after {first:.2f} s{skipped}"
     )
 
 
