@@ -23,8 +23,10 @@ a whole request may take to arrive (``--request-timeout``, 30 s from the connect
 previous reply: request line, headers and body; past it, 408 and the connection closed, so a client
 trickling a byte at a time cannot hold a connection for ever), open connections (503 past them),
 pixels per image (413, read from the header before decoding) and pixels being decoded at once across
-requests, which bounds decode memory (503 after waiting too long for room). Errors are answered with
-one line of JSON, never a traceback.
+requests, which bounds decode memory (503 after waiting too long for room). Every error is one line of
+JSON, ``{"error": "..."}``, those of http.server's own parsing too (400 for a bad request line, 501 for
+a method not served, 505 for a request line without an HTTP version, 431 for huge headers): never an
+HTML page, a traceback, or the decoder's internals (its request numbers).
 """
 
 from __future__ import annotations
@@ -286,6 +288,27 @@ class Handler(BaseHTTPRequestHandler):
                 error = f"the request did not arrive whole within {limit:g} s: send it in one go"
                 self.connection.sendall(_response(408, {"error": error}))
 
+    def parse_request(self) -> bool:
+        """The request line and headers, or the error reply; a line without an HTTP version is refused.
+
+        http.server would take such a line (HTTP/0.9) and then wait for headers that an HTTP/0.9 client
+        never sends, so the client would get no answer until the idle timeout dropped it."""
+        self.command = None  # as http.server's own parse does first: the error below has no method
+        if len(self.raw_requestline.split()) == 2:
+            line = self.raw_requestline.decode("latin-1").strip()[:100]
+            self.send_error(505, f"{line!r} has no HTTP version (HTTP/0.9): send 'GET /health HTTP/1.1'")
+            return False
+        return super().parse_request()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The errors http.server itself answers (a bad request line, a method not served, huge headers),
+        as JSON like every other reply, instead of its HTML page."""
+        self.close_connection = True
+        if code == 501:
+            message = f"method {self.command!r} is not served: GET /health, GET /stats or POST /predict"
+        error = (message or HTTPStatus(code).phrase) + (f" ({explain})" if explain else "")
+        self.wfile.write(_response(code, {"error": error[:300]}, body=self.command != "HEAD"))
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._reply(200, {"status": "ok"})
@@ -303,10 +326,12 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(200, self.server.classifier.predict(self._body()))
         except Refused as refused:
             self._reply(refused.status, {"error": str(refused)})
-        except SampleError as error:
-            self._reply(400, {"error": str(error)})
-        except (QueueFullError, LoaderClosedError) as error:
-            self._reply(503, {"error": str(error)})
+        except SampleError as error:  # its reason alone: the index and origin are the service's own
+            self._reply(400, {"error": f"the body is not an image this server decodes: {error.reason}"})
+        except QueueFullError:  # its message is for the operator (max_queue), not the client
+            self._reply(503, {"error": "the server is overloaded; retry later"})
+        except LoaderClosedError:
+            self._reply(503, {"error": "the server is shutting down; retry later"})
         except OSError:
             raise  # the connection failed (a timeout drops the client): there is no one to answer
         except Exception:
@@ -320,8 +345,12 @@ class Handler(BaseHTTPRequestHandler):
         lengths = self.headers.get_all("Content-Length", [])
         if not lengths:
             raise Refused(411, "Content-Length required: POST the image file's bytes")
-        if len(set(lengths)) > 1 or not (lengths[0].isascii() and lengths[0].isdigit()):
-            raise Refused(400, f"Content-Length must be one non-negative integer, got {lengths[0][:40]!r}")
+        if len(lengths) > 1:
+            got = ", ".join(_as_sent(length)[:40] for length in lengths)
+            raise Refused(400, f"Content-Length must be given once, got {len(lengths)}: {got}")
+        if not (lengths[0].isascii() and lengths[0].isdigit()):
+            got = _as_sent(lengths[0])[:40]
+            raise Refused(400, f"Content-Length must be a non-negative integer in ASCII digits, got {got!r}")
         length, limit = int(lengths[0]), self.server.limits.max_body_bytes
         if length > limit:
             raise Refused(413, f"the body is {length:,} bytes; this server takes at most {limit:,}")
@@ -341,12 +370,18 @@ class Handler(BaseHTTPRequestHandler):
         pass  # one line per request would cost more than the decode
 
 
-def _response(status: int, payload: dict[str, Any], *, close: bool = True) -> bytes:
-    """A whole HTTP/1.1 response, so it goes out in one write."""
-    body = json.dumps(payload).encode()
+def _response(status: int, payload: dict[str, Any], *, close: bool = True, body: bool = True) -> bytes:
+    """A whole HTTP/1.1 response, so it goes out in one write; ``body=False`` for a HEAD request."""
+    content = json.dumps(payload).encode()
     head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
-    return head.encode() + body
+    head += f"Content-Length: {len(content)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
+    return head.encode() + (content if body else b"")
+
+
+def _as_sent(value: str) -> str:
+    """A header value as the client wrote it: http.client decodes header bytes as Latin-1, which turns
+    UTF-8 (digits of other scripts included) into mojibake."""
+    return value.encode("latin-1", "replace").decode("utf-8", "replace")
 
 
 def main(argv: list[str] | None = None) -> None:

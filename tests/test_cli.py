@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from threadloader.__main__ import main
+
 from .conftest import encode, photo
+from .test_tar import sample, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "python -m threadloader"
@@ -131,3 +134,63 @@ def test_the_bundled_samples_run() -> None:
     assert result.returncode == 0, result.stderr
     (line,) = result.stdout.strip().splitlines()
     assert line.startswith("threadloader: ") and "on the CPU (Pillow)" in line and "batches of 4" in line
+
+
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``main(args)`` in this process (no interpreter to start): its exit status, stdout and stderr."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_count_takes_the_first_images_of_a_folder(capsys: pytest.CaptureFixture[str], folder: Path) -> None:
+    """The bad image is the last of five in ImageFolder order: the first four load without it."""
+    code, out, err = in_process(
+        capsys, str(folder), "--count", "4", "--batch-size", "2", "--size", "32", "--epochs", "1"
+    )
+    assert code == 0, err
+    assert "1 epoch(s) of 4 images at 32x32" in out
+    code, _, err = in_process(capsys, str(folder), "--count", "99", "--epochs", "1")
+    assert code == 1 and "sample 4" in err and str(folder / "dog" / "2.jpg") in err
+
+
+@pytest.fixture
+def shard_dir(tmp_path: Path) -> Path:
+    """Three shards of two samples each (targets 0..5), and a file that is not a shard beside them."""
+    blobs = [encode(photo(40, 48, seed=i), quality=90) for i in range(6)]
+    for s in range(3):
+        write_shard(tmp_path / f"{s:06d}.tar", [sample(blobs, 2 * s + k) for k in range(2)])
+    (tmp_path / "README.txt").write_text("not a shard")
+    return tmp_path
+
+
+@pytest.mark.parametrize("form", ["glob", "shell-expanded", "braces"])
+def test_shards_load_from_a_glob_a_file_list_or_braces(
+    capsys: pytest.CaptureFixture[str], shard_dir: Path, form: str
+) -> None:
+    sources = {
+        "glob": [str(shard_dir / "*.tar")],
+        "shell-expanded": sorted(str(path) for path in shard_dir.glob("*.tar")),
+        "braces": [str(shard_dir / "{000000..000002}.tar")],
+    }[form]
+    code, out, err = in_process(
+        capsys, *sources, "--count", "5", "--batch-size", "2", "--size", "32", "--epochs", "1"
+    )
+    assert code == 0, err
+    assert "1 epoch(s) of 5 images at 32x32" in out
+
+
+def test_a_glob_matching_no_shard_names_the_brace_syntax(tmp_path: Path) -> None:
+    """As a user runs it: one line, no traceback, exit status 2."""
+    pattern = str(tmp_path / "*.tar")
+    assert_one_line_error(cli(pattern), 2, pattern, "no file matches", "{000000..000127}")
+
+
+def test_several_folders_are_refused(capsys: pytest.CaptureFixture[str], folder: Path) -> None:
+    code, out, err = in_process(capsys, str(folder), str(folder))
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == f"{PROG}: error: give one folder, or tar shards (.tar), got 2 paths that are not all shards: "
+        + f"{str(folder)!r}, {str(folder)!r}\n"
+    )

@@ -428,3 +428,16 @@ def test_second_gpu_whatever_the_current_device() -> None:
     with torch.cuda.device(0), ThreadLoader(_uniform_set(8), batch_size=4, device="cuda:1") as loader:
         for images, _ in loader:
             assert all(image.device == torch.device("cuda", 1) for image in images)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pin_memory_pins_what_is_on_the_host(device: str) -> None:
+    """On the CPU path the images and targets come pinned; on the GPU path the targets (images are there)."""
+    samples = _uniform_set(8)
+    with ThreadLoader(samples, batch_size=4, device=device, size=(64, 80), pin_memory=True) as loader:
+        seen = []
+        for images, targets in loader:
+            assert images.is_pinned() is (device == "cpu") and images.device.type == device
+            assert targets.is_pinned()
+            seen += targets.tolist()
+    assert seen == list(range(8))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
 import pickle
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +28,17 @@ from torch.utils.data import (
     SubsetRandomSampler,
 )
 
-from threadloader import ImageFolder, SampleError, ThreadLoader, ThreadLoaderError
+from threadloader import (
+    BatchDecoder,
+    CPUFallbackWarning,
+    ImageFolder,
+    SampleError,
+    ThreadLoader,
+    ThreadLoaderError,
+    _workers,
+)
 from threadloader.decode import PillowDecoder
-from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
+from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 
 from .conftest import encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
 
@@ -684,6 +695,128 @@ def test_objects_are_passed_through_not_copied(blobs: list[bytes]) -> None:
     assert all(a is b for a, b in zip(targets, boxes, strict=True))
 
 
+def _detections(blobs: list[bytes], count: int) -> list[tuple[bytes, dict]]:
+    """Detection-style targets: sample ``i`` has ``i % 3`` boxes, so a batch's boxes cannot be stacked."""
+    return [
+        (blobs[i], {"boxes": torch.arange(4.0 * (i % 3)).reshape(i % 3, 4) + i, "label": i})
+        for i in range(count)
+    ]
+
+
+def test_collate_fn_makes_each_batchs_targets_from_their_list(blobs: list[bytes]) -> None:
+    source = _detections(blobs, 7)
+    kept = list(ThreadLoader(source, batch_size=3, num_threads=2, size=(H, W), collate_fn=list))
+    assert [
+        [target is source[3 * b + k][1] for k, target in enumerate(ts)] for b, (_, ts) in enumerate(kept)
+    ] == [
+        [True] * 3,
+        [True] * 3,
+        [True],
+    ]
+
+    def boxes_and_labels(targets: list[dict]) -> dict:
+        return {"boxes": [t["boxes"] for t in targets], "labels": torch.tensor([t["label"] for t in targets])}
+
+    ((_, targets),) = list(ThreadLoader(source, batch_size=7, collate_fn=boxes_and_labels))
+    assert targets["labels"].tolist() == list(range(7))
+    assert all(torch.equal(b, source[i][1]["boxes"]) for i, b in enumerate(targets["boxes"]))
+    # Without targets, the function still makes the batch's targets, from its Nones.
+    ((_, none),) = list(ThreadLoader(blobs[:4], batch_size=4, collate_fn=len))
+    assert none == 4
+
+
+def test_collate_fn_errors_are_raised_in_the_loop_at_their_batch(blobs: list[bytes]) -> None:
+    def refuse_sample_4(targets: list[int]) -> torch.Tensor:
+        if 4 in targets:
+            raise ValueError("no sample 4 here")
+        return torch.tensor(targets)
+
+    loader = ThreadLoader(
+        [(blobs[i], i) for i in range(8)], batch_size=2, num_threads=2, collate_fn=refuse_sample_4
+    )
+    received = []
+    with pytest.raises(ValueError, match="no sample 4 here"):
+        for _, targets in loader:
+            received.append(targets.tolist())
+    assert received == [[0, 1], [2, 3]]
+    loader.close()
+
+
+def test_collate_fn_must_be_callable(blobs: list[bytes]) -> None:
+    with pytest.raises(
+        TypeError, match="collate_fn must be a function of the list of a batch's targets, got str"
+    ):
+        ThreadLoader(blobs, collate_fn="list")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without CUDA")
+def test_pin_memory_without_cuda_warns_and_keeps_ordinary_memory(
+    blobs: list[bytes], refs: list[np.ndarray]
+) -> None:
+    with pytest.warns(UserWarning, match="pin_memory=True, but CUDA is not available here") as warned:
+        loader = ThreadLoader(
+            [(b, i) for i, b in enumerate(blobs[:4])], batch_size=4, size=(H, W), pin_memory=True
+        )
+    assert warned[0].filename == __file__ and loader.pin_memory is False
+    ((images, targets),) = list(loader)
+    assert_pixels(images, refs, [0, 1, 2, 3])
+    assert not images.is_pinned() and targets.tolist() == [0, 1, 2, 3]
+
+
+Pair = collections.namedtuple("Pair", ["label", "weight"])
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_pin_memory_pins_every_cpu_tensor_of_a_batch(
+    blobs: list[bytes], refs: list[np.ndarray], monkeypatch: pytest.MonkeyPatch, pin_memory: bool
+) -> None:
+    """With CUDA (faked here: ``pin_memory`` records what it copies), the images and each tensor target,
+    inside dicts, lists and namedtuples too, are the pinned copies; nothing else is touched."""
+    pinned: list[torch.Tensor] = []
+
+    def fake_pin(tensor: torch.Tensor) -> torch.Tensor:
+        pinned.append(tensor.clone())
+        return pinned[-1]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    source = [(blobs[i], {"label": i, "pair": Pair(i, float(i)), "name": f"n{i}"}) for i in range(4)]
+    loader = ThreadLoader(source, batch_size=4, size=(H, W), device="cpu", pin_memory=pin_memory)
+    ((images, targets),) = list(loader)
+    assert_pixels(images, refs, [0, 1, 2, 3])
+    assert targets["label"].tolist() == [0, 1, 2, 3] and targets["name"] == ["n0", "n1", "n2", "n3"]
+    assert isinstance(targets["pair"], Pair) and targets["pair"].weight.tolist() == [0.0, 1.0, 2.0, 3.0]
+    tensors = [images, targets["label"], targets["pair"].label, targets["pair"].weight]
+    assert [any(t is p for p in pinned) for t in tensors] == [pin_memory] * 4
+    assert len(pinned) == (4 if pin_memory else 0)
+
+
+@pytest.mark.parametrize("front", ["ThreadLoader", "BatchDecoder"])
+def test_a_gpu_without_nvimagecodec_warns_loudly_and_decodes_on_the_cpu(
+    blobs: list[bytes], monkeypatch: pytest.MonkeyPatch, front: str
+) -> None:
+    from threadloader import _device as device_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(device_module, "_nvimgcodec_installed", lambda: False)
+    make = ThreadLoader if front == "ThreadLoader" else BatchDecoder
+    with pytest.warns(
+        CPUFallbackWarning, match=r"nvImageCodec is not installed, so images are decoded"
+    ) as warned:
+        made = make(blobs) if front == "ThreadLoader" else make()
+    assert made.device == torch.device("cpu")
+    (warning,) = warned
+    assert warning.filename == __file__  # pointing at the user's line, not the library's
+    assert "pip install 'threadloader[cu13]'" in str(warning.message) and "device='cpu'" in str(
+        warning.message
+    )
+    made.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(blobs, device="cpu").close() if front == "ThreadLoader" else make(device="cpu").close()
+
+
 # -------------------------------------------------------------------------------------------- options
 
 
@@ -698,6 +831,41 @@ def test_default_options_on_cpu(blobs: list[bytes], refs: list[np.ndarray]) -> N
     assert [tuple(image.shape) for image in images] == [(3, H, W)] * N
     assert all(image.device.type == "cpu" for image in images)
     assert_pixels(images, refs, list(range(N)))
+
+
+class _RecordTorchThreads(Transform):
+    """Notes torch's intra-op thread count in the thread that applies it (a reader thread)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return images
+
+
+@pytest.mark.parametrize("front", ["ThreadLoader", "BatchDecoder"])
+def test_readers_run_torch_on_one_thread_and_leave_everyone_elses(blobs: list[bytes], front: str) -> None:
+    """The readers are the parallelism (as DataLoader's workers, each runs torch's ops alone); the main
+    thread, and threads started after them, keep torch's count: nothing process-wide changed."""
+    if _workers._omp_set_num_threads() is None:
+        pytest.skip("torch's OpenMP runtime cannot be reached here: readers keep torch's default")
+    before = torch.get_num_threads()
+    # Set explicitly (to what it is): a thread's first torch call then sets its count from it, and
+    # would undo a count set before that call.
+    torch.set_num_threads(before)
+    record = _RecordTorchThreads()
+    if front == "ThreadLoader":
+        list(ThreadLoader(blobs, batch_size=4, num_threads=2, transform=record))
+    else:
+        with BatchDecoder(device="cpu", num_threads=2, transform=record) as decoder:
+            decoder.decode(blobs[0])
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert record.seen and set(record.seen) == {1}
+    assert torch.get_num_threads() == before and later == [before]
 
 
 def test_size_none_keeps_each_original_size() -> None:

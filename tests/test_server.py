@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from threadloader import LoaderClosedError, QueueFullError
+
 from .conftest import encode, photo
 from .robustness_cases import HEAP_ADDRESS
 
@@ -75,11 +77,12 @@ def connect(server: Any) -> socket.socket:
 
 
 def exchange(server: Any, raw: bytes) -> tuple[int, dict[str, Any]]:
-    """Sends ``raw`` bytes as they are and reads one response (status, JSON body)."""
+    """Sends ``raw`` bytes as they are and reads one response (status, JSON body), which must be JSON."""
     with connect(server) as sock:
         sock.sendall(raw)
         response = http.client.HTTPResponse(sock)
         response.begin()
+        assert response.getheader("Content-Type") == "application/json"
         return response.status, json.loads(response.read())
 
 
@@ -343,3 +346,91 @@ def test_a_request_timeout_that_is_not_positive_is_refused(capsys: pytest.Captur
         server_module.main(["--request-timeout", "0"])
     assert exit_.value.code == 2
     assert "--request-timeout must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+
+
+#: Requests that http.server's own parsing refuses, before any handler of the example runs.
+MALFORMED = {
+    "PUT": (b"PUT /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 501, "method 'PUT'"),
+    "DELETE": (b"DELETE /predict HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method 'DELETE'"),
+    "request-line": (b"GARBAGE\r\n\r\n", 400, "Bad request syntax"),
+    "version": (b"GET /health HTTP/x\r\n\r\n", 400, "Bad request version"),
+    "HTTP/2": (b"GET /health HTTP/2.0\r\n\r\n", 505, "Invalid HTTP version"),
+    "many-headers": (
+        b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n",
+        431,
+        "Too many headers",
+    ),
+    "long-header": (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431, "Line too long"),
+    # No version: HTTP/0.9. The client sends no headers and waits; it must be answered without them.
+    "HTTP/0.9": (b"GET /health\r\n", 505, "no HTTP version"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_the_http_machinerys_own_errors_are_json(name: str) -> None:
+    raw, status, fragment = MALFORMED[name]
+    with running() as server:
+        got, reply = exchange(server, raw)
+        assert post(server, GOOD)[0] == 200  # and the server still serves
+    assert got == status and list(reply) == ["error"] and fragment in reply["error"], reply
+    assert "<" not in reply["error"]  # no HTML
+
+
+def test_head_is_refused_with_headers_only() -> None:
+    """A reply to HEAD carries no body (HTTP says so); its headers are those of the JSON error."""
+    with running() as server, connect(server) as sock:
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = http.client.HTTPResponse(sock, method="HEAD")
+        response.begin()
+        assert (response.status, response.getheader("Content-Type")) == (501, "application/json")
+        assert int(response.getheader("Content-Length", "0")) > 0 and response.read() == b""
+        sock.settimeout(1.0)
+        assert _read_until_closed(sock) == b""  # nothing after the headers, and the server hung up
+
+
+@pytest.mark.parametrize("mode", ["batched", "pillow"])
+def test_a_bad_image_is_named_without_the_decoders_internals(mode: str) -> None:
+    """The same bad body twice gets the same message: no request counter, no sample index."""
+    with running(mode) as server:
+        replies = [post(server, b"not an image at all") for _ in range(2)]
+    (status, reply), again = replies
+    assert again == (status, reply) and status == 400
+    assert reply["error"].startswith("the body is not an image this server decodes: ")
+    assert "cannot identify image file (19 bytes" in reply["error"]
+    assert "request" not in reply["error"] and "sample" not in reply["error"], reply
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"Content-Length: 10\r\nContent-Length: 12\r\n", "Content-Length must be given once, got 2: 10, 12"),
+        (b"Content-Length: 10\r\nContent-Length: 10\r\n", "Content-Length must be given once, got 2: 10, 10"),
+        (
+            "Content-Length: \u0661\u0662\r\n".encode(),  # Arabic-Indic digits, in UTF-8
+            "Content-Length must be a non-negative integer in ASCII digits, got '\u0661\u0662'",
+        ),
+    ],
+    ids=["two", "repeated", "arabic-indic"],
+)
+def test_content_length_errors_say_what_was_sent(header: bytes, message: str) -> None:
+    with running() as server:
+        status, reply = exchange(server, b"POST /predict HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n" + GOOD)
+    assert (status, reply) == (400, {"error": message})
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (QueueFullError("BatchDecoder queue is full (4 requests waiting, max_queue=4)"), "overloaded"),
+        (LoaderClosedError("this BatchDecoder was closed; create a new one to decode"), "shutting down"),
+    ],
+    ids=["queue-full", "closed"],
+)
+def test_a_busy_or_closing_decoder_is_503_without_its_settings(error: Exception, message: str) -> None:
+    def refuse(data: bytes) -> Any:
+        raise error
+
+    with running() as server:
+        server.classifier._decode = refuse
+        status, reply = post(server, GOOD)
+    assert (status, reply) == (503, {"error": f"the server is {message}; retry later"})

@@ -451,7 +451,7 @@ def test_example_server_and_load_test(tmp_path: Path) -> None:
         assert status == 200 and answer["shape"] == [3, 224, 224]
         assert "top5" in answer or isinstance(answer["checksum"], float)
         status, answer = _post(port, b"not an image")
-        assert status == 400 and "decode failed" in str(answer["error"])
+        assert status == 400 and "is not an image this server decodes" in str(answer["error"])
         out = tmp_path / "load.json"
         load = [sys.executable, str(EXAMPLES / "loadtest.py"), "--port", str(port), "--seconds", "1"]
         load += ["--concurrency", "2", "--warmup", "0", "--images", "8", "--out", str(out)]

@@ -554,17 +554,22 @@ if sys.argv[1] == "raise":
 """
 
 
-def run_exit_script(tmp_path: Path, what: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "leave_early.py"
-    script.write_text(EXIT_SCRIPT)
+def run_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``text`` as a script, from the repository root, with this checkout first on the path."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     root = Path(__file__).parents[1]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
     }
     return subprocess.run(
-        [sys.executable, str(script), what], capture_output=True, text=True, timeout=120, cwd=root, env=env
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=root, env=env
     )
+
+
+def run_exit_script(tmp_path: Path, what: str) -> subprocess.CompletedProcess[str]:
+    return run_script(tmp_path, EXIT_SCRIPT, what)
 
 
 def alarms(stderr: str) -> list[str]:
@@ -591,3 +596,59 @@ def test_uncaught_exception_keeps_its_exit_code(tmp_path: Path) -> None:
     assert result.stderr.count("Traceback") == 1
     assert result.stderr.strip().endswith("RuntimeError: the script failed")
     assert not alarms(result.stderr), result.stderr
+
+
+#: A daemon thread iterating a loader, epoch after epoch, while the main script ends with exit code 3.
+DAEMON_CONSUMER_SCRIPT = """
+import sys, threading, time
+from threadloader import ThreadLoader
+from tests.conftest import encode, photo
+
+JPEG = encode(photo(16, 24), quality=90)
+
+
+class Slow:
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, index):
+        time.sleep(0.005)
+        return JPEG, index
+
+
+started = threading.Event()
+
+
+def consume():
+    loader = ThreadLoader(Slow(), batch_size=2, num_threads=1, device="cpu")
+    for epoch in range(3):
+        for images, _ in loader:
+            started.set()
+
+
+threading.Thread(target=consume, name="consumer", daemon=True).start()
+started.wait()
+print("main done", flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_daemon_thread_iterating_at_exit_ends_silently(tmp_path: Path) -> None:
+    """The exit hook stops the loader under the daemon consumer: no traceback, the script's exit code."""
+    result = run_script(tmp_path, DAEMON_CONSUMER_SCRIPT)
+    assert (result.returncode, result.stdout) == (3, "main done\n"), result.stderr
+    assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr, result.stderr
+    assert not alarms(result.stderr), result.stderr
+
+
+def test_no_threads_start_once_the_exit_hook_ran(blobs: list[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the hook, a pass would start readers that nothing stops: refused (here, in the main thread)."""
+    from threadloader import _workers
+
+    loader = make(blobs)
+    monkeypatch.setattr(_workers, "_exited", True)
+    before = threading.active_count()
+    with pytest.raises(LoaderClosedError, match="the interpreter is exiting"):
+        iter(loader)
+    assert threading.active_count() == before
+    loader.close()

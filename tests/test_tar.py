@@ -26,7 +26,7 @@ import threadloader._tar
 from threadloader import SampleError, ShardError, TarMember, TarShards, ThreadLoader
 from threadloader._tar import expand_braces
 
-from .conftest import encode, photo, pil_reference, reader_threads, wait_for_no_reader_threads
+from .conftest import encode, photo, pil_reference, wait_for_no_reader_threads
 
 H, W = 16, 24
 PER_SHARD = 6
@@ -137,6 +137,36 @@ def test_list_of_shards_equals_the_pattern_and_pathlike_works(shards: Path) -> N
 def test_single_shard_path(shards: Path) -> None:
     loader = ThreadLoader(str(shards / "000001.tar"), batch_size=PER_SHARD)
     assert [t.tolist() for _, t in loader] == [list(range(PER_SHARD, 2 * PER_SHARD))]
+
+
+def test_a_glob_is_the_matching_shards_sorted_by_name(shards: Path, blobs: list[bytes]) -> None:
+    (shards / "notes.txt").write_text("not a shard")
+    expected = [str(shards / f"{s:06d}.tar") for s in range(SHARDS)]
+    loader = ThreadLoader(str(shards / "*.tar"), batch_size=N)
+    assert loader.source.shards == expected
+    ((images, targets),) = list(loader)
+    assert targets.tolist() == list(range(N))
+    check_pixels(images, blobs, targets.tolist())
+    # In a list, after braces, and as a Path: each glob expands where it stands.
+    mixed = TarShards([shards / "00000[12].tar", str(shards / "{000000,00000?}.tar")])
+    assert mixed.shards == [*expected[1:], expected[0], *expected]
+
+
+def test_a_path_that_exists_is_not_taken_for_a_glob(shards: Path, blobs: list[bytes]) -> None:
+    literal = shards / "[0].tar"
+    write_shard(literal, [sample(blobs, 0)])
+    assert TarShards(str(literal)).shards == [str(literal)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [("nowhere/*.tar", "no file matches this glob"), ("s3://bucket/train-*.tar", "URLs are not globbed")],
+    ids=["no-match", "url"],
+)
+def test_a_glob_that_cannot_be_expanded_names_the_brace_syntax(spec: str, says: str) -> None:
+    with pytest.raises(ShardError, match=says) as raised:
+        ThreadLoader(spec)
+    assert raised.value.shard == spec and "{000000..000127}" in str(raised.value)
 
 
 @pytest.mark.parametrize(
@@ -477,7 +507,7 @@ def in_thread(work: Callable[[], None]) -> None:
 
 
 @needs_proc
-def test_a_thread_opens_each_shard_once_and_its_end_closes_them(shards: Path, blobs: list[bytes]) -> None:
+def test_each_shard_is_opened_once_for_every_thread(shards: Path, blobs: list[bytes]) -> None:
     source = TarShards(pattern(shards))
     paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
     seen: list[list[int]] = []
@@ -488,9 +518,10 @@ def test_a_thread_opens_each_shard_once_and_its_end_closes_them(shards: Path, bl
             seen.append([open_files(path) for path in paths])
 
     in_thread(read_all)
-    # One descriptor per shard read so far, kept while the thread reads on.
+    # One descriptor per shard read so far; the next thread reads on the same ones.
     assert seen[PER_SHARD - 1] == [1, 0, 0] and seen[-1] == [1, 1, 1]
-    assert [open_files(path) for path in paths] == [0, 0, 0]
+    in_thread(read_all)
+    assert seen[-1] == [1, 1, 1] and [open_files(path) for path in paths] == [1, 1, 1]
 
 
 @needs_proc
@@ -498,73 +529,63 @@ def test_dropping_the_source_closes_its_files(shards: Path, blobs: list[bytes]) 
     source = TarShards(pattern(shards))
     assert source[0][0].read() == blobs[0] and source[N - 1][0].read() == blobs[N - 1]
     first, last = shards / "000000.tar", shards / f"{SHARDS - 1:06d}.tar"
-    assert (open_files(first), open_files(last)) == (1, 1)  # this thread's, as long as the source lives
+    assert (open_files(first), open_files(last)) == (1, 1)  # as long as the source lives
     del source
     gc.collect()
     assert (open_files(first), open_files(last)) == (0, 0)
 
 
 @needs_proc
-def test_a_thread_keeps_at_most_max_open_shards(
-    shards: Path, blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_source_keeps_at_most_max_open_shards(
+    shards: Path, blobs: list[bytes], monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
+    """Past the bound, the least recently used file that no thread is reading is closed. Between its reads
+    a thread sees at most the bound, plus one for each other thread (the file it is reading or opening)."""
     monkeypatch.setattr(threadloader._tar, "MAX_OPEN_SHARDS", 2)
     source = TarShards(pattern(shards))
     paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
     order = [s * PER_SHARD + k for k in range(PER_SHARD) for s in (0, 1, 2, 0, 2, 1)]  # shards in turn
+    peak: list[int] = []
 
     def read_in_turn() -> None:
         for i in order:
             assert source[i][0].read() == blobs[i]
-            assert sum(open_files(path) for path in paths) <= 2
-
-    in_thread(read_in_turn)
-    assert [open_files(path) for path in paths] == [0, 0, 0]
-
-
-@needs_proc
-def test_the_loaders_readers_close_their_files_when_it_closes(shards: Path, blobs: list[bytes]) -> None:
-    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
-    loader = ThreadLoader(pattern(shards), batch_size=1, num_threads=2)  # 18 tasks: readers wait, alive
-    epoch = iter(loader)
-    images, targets = next(epoch)
-    check_pixels(images, blobs, targets.tolist())
-    assert 1 <= sum(open_files(path) for path in paths) <= 2 * SHARDS  # at most one per thread and shard
-    loader.close()
-    for thread in reader_threads():  # close() waits a bounded time; the files close as the threads end
-        thread.join(10)
-    assert [open_files(path) for path in paths] == [0, 0, 0]
-    for images, targets in ThreadLoader(pattern(shards), batch_size=4, num_threads=2):  # a whole pass
-        check_pixels(images, blobs, targets.tolist())
-    assert wait_for_no_reader_threads(10) == []
-    assert [open_files(path) for path in paths] == [0, 0, 0]
-
-
-@needs_proc
-def test_all_threads_together_keep_at_most_max_open_total(
-    shards: Path, blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Many reader threads over many shards must not use up the process's descriptors: past the total,
-    # a thread closes its own oldest file before opening another (so each still holds at least one).
-    monkeypatch.setattr(threadloader._tar, "max_open_total", lambda: 2)
-    source = TarShards(pattern(shards))
-    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
-    peak: list[int] = []
-    start = threading.Barrier(3)
-
-    def read_all(offset: int) -> None:
-        start.wait()
-        for k in range(N):
-            i = (k * PER_SHARD + offset) % N  # a new shard almost every read
-            assert source[i][0].read() == blobs[i]
             peak.append(open_files_among(paths))
 
-    threads = [threading.Thread(target=read_all, args=(t,)) for t in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert max(peak) <= 2 + 3  # the total, plus one per thread that held none when it was reached
+    workers = [threading.Thread(target=read_in_turn) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert max(peak) <= 2 + threads - 1 and open_files_among(paths) == 2
+
+
+def test_evicted_files_are_never_read_by_mistake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight threads over 16 shards with room for 2 open files: files close and reopen all the time, and a
+    descriptor closed under a read (its number reused by another shard) would return another's bytes."""
+    monkeypatch.setattr(threadloader._tar, "MAX_OPEN_SHARDS", 2)
+    payloads = [os.urandom(3000 + 17 * i) for i in range(64)]
+    samples = [(f"k{i}", {"jpg": payload}) for i, payload in enumerate(payloads)]
+    paths = [write_shard(tmp_path / f"{s:02d}.tar", samples[4 * s : 4 * s + 4]) for s in range(16)]
+    source = TarShards(paths)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: source[(i * 5) % 64].read(), range(64 * 10)))
+    assert got == [payloads[(i * 5) % 64] for i in range(64 * 10)]
+
+
+@needs_proc
+def test_a_loaders_files_close_with_its_source(shards: Path, blobs: list[bytes]) -> None:
+    paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
+    loader = ThreadLoader(pattern(shards), batch_size=4, num_threads=2)
+    for images, targets in loader:
+        check_pixels(images, blobs, targets.tolist())
+    assert wait_for_no_reader_threads(10) == []
+    assert [open_files(path) for path in paths] == [1, 1, 1]  # kept for the next epoch
+    del loader, images, targets
+    gc.collect()
     assert [open_files(path) for path in paths] == [0, 0, 0]
 
 

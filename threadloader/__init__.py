@@ -11,7 +11,7 @@ from ._sources import IMAGE_EXTENSIONS, ImageFolder
 from ._stats import STAGES, LoaderStats
 from ._tar import ShardError, TarMember, TarShards
 from .decode.base import DEFAULT_MAX_PIXELS
-from .errors import LoaderClosedError, SampleError, ThreadLoaderError
+from .errors import CPUFallbackWarning, LoaderClosedError, SampleError, ThreadLoaderError
 from .loader import ThreadLoader
 from .service import BatchDecoder, QueueFullError, ServiceStats
 
@@ -22,6 +22,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "STAGES",
     "BatchDecoder",
+    "CPUFallbackWarning",
     "ImageFolder",
     "LoaderClosedError",
     "LoaderStats",

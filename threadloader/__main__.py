@@ -1,4 +1,4 @@
-"""python -m threadloader [DIR]: load a folder (or the bundled sample photos) and print throughput.
+"""python -m threadloader [SOURCE...]: load a folder or shards (or sample photos) and print throughput.
 
 The quickest check that an installation works and decodes where you expect: on the GPU when one and
 nvImageCodec are usable, else on the CPU with Pillow. User errors (a missing or empty folder, bad
@@ -15,12 +15,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from PIL import Image
+from torch.utils.data import Dataset, Subset
 
-from . import ThreadLoader, ThreadLoaderError
+from . import ImageFolder, TarShards, ThreadLoader, ThreadLoaderError
+from ._sources import Source
+from ._tar import is_shard_spec
 
 PROG = "python -m threadloader"
 
@@ -80,12 +83,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description=(
-            "Load an image folder (one sub-folder per class), or photos made from the bundled samples, "
-            "and print the throughput: on the GPU when one and nvImageCodec are usable, else on the CPU."
+            "Load an image folder (one sub-folder per class), tar shards, or photos made from the bundled "
+            "samples, and print the throughput: on the GPU when one and nvImageCodec are usable, else on "
+            "the CPU."
         ),
     )
-    parser.add_argument("folder", nargs="?", help="image folder, a sub-folder per class (default: samples)")
-    parser.add_argument("--count", type=_positive_int, default=1024, help="sample photos (default 1024)")
+    parser.add_argument(
+        "source",
+        nargs="*",
+        help="an image folder, a sub-folder per class; or tar shards: a brace pattern "
+        "'shards/{000000..000127}.tar', a glob 'shards/*.tar' (quoted, or expanded by the shell), or the "
+        ".tar files (default: photos made from the bundled samples)",
+    )
+    parser.add_argument(
+        "--count",
+        type=_positive_int,
+        default=None,
+        help="images to load: the first N of the source in its order (a folder's: class by class, files "
+        "sorted; shards: in order; default all), or N photos made from the samples (default 1024)",
+    )
     parser.add_argument("--batch-size", type=_positive_int, default=64, help="images per batch (default 64)")
     parser.add_argument("--size", type=_positive_int, default=224, help="output side in pixels (default 224)")
     parser.add_argument("--epochs", type=_positive_int, default=3, help="passes over the data (default 3)")
@@ -99,21 +115,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _source(folder: str | None, count: int) -> str | list[tuple[bytes, int]]:
-    if folder is None:
-        return sample_photos(count)
-    if not os.path.exists(folder):
-        raise UsageError(f"no such folder: {folder!r}")
-    if not os.path.isdir(folder):
-        raise UsageError(f"{folder!r} is a file; give a folder with one sub-folder per class")
-    return folder
+def _source(sources: list[str], count: int | None) -> Source:
+    """What the command loads: the first ``count`` samples of a folder or shards, or sample photos.
+
+    Raises:
+        UsageError: For a missing path, a file that is not a shard, or several sources that are not
+            all shards.
+    """
+    if not sources:
+        return sample_photos(count or 1024)
+    if all(is_shard_spec(source) for source in sources):
+        source: Source = TarShards(sources)
+    elif len(sources) > 1:
+        raise UsageError(
+            f"give one folder, or tar shards (.tar), got {len(sources)} paths that are not all shards: "
+            + ", ".join(repr(source) for source in sources[:3])
+            + (", ..." if len(sources) > 3 else "")
+        )
+    elif not os.path.exists(sources[0]):
+        raise UsageError(f"no such folder: {sources[0]!r}")
+    elif not os.path.isdir(sources[0]):
+        raise UsageError(
+            f"{sources[0]!r} is a file; give a folder with one sub-folder per class, or .tar shards"
+        )
+    else:
+        source = ImageFolder(sources[0])
+    if count is None or count >= len(source):
+        return source
+    return Subset(cast("Dataset[Any]", source), range(count))  # indexes any map-style source
 
 
 def run(args: argparse.Namespace) -> str:
     """A few epochs over the data; returns the line of throughput to print."""
-    source = _source(args.folder, args.count)
     start = time.perf_counter()
     try:
+        source = _source(args.source, args.count)
         loader = ThreadLoader(
             source,
             batch_size=args.batch_size,
@@ -149,9 +185,9 @@ def run(args: argparse.Namespace) -> str:
     rate = f"{counted / elapsed:,.0f} images/s" if counted else "too few images to time"
     skipped = f"; {bad} bad images skipped" if bad else ""
     return (
-        f"threadloader: {rate} on {where}; {args.epochs} epoch(s) of {args.size}x{args.size} "
-        f"in batches of {args.batch_size}, {loader.num_threads} threads; first batch after {first:.2f} s"
-        f"{skipped}"
+        f"threadloader: {rate} on {where}; {args.epochs} epoch(s) of {len(source):,} images at "
+        f"{args.size}x{args.size} in batches of {args.batch_size}, {loader.num_threads} threads; first batch "
+        f"after {first:.2f} s{skipped}"
     )
 
 

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 
 import torch
 
@@ -18,6 +19,7 @@ from .decode import _capi
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import BACKENDS, DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_gpu_decoders
 from .decode.pillow import PillowDecoder
+from .errors import CPUFallbackWarning
 
 __all__ = [
     "available_cpus",
@@ -123,6 +125,8 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
 
     ``None`` under torchrun (``LOCAL_RANK`` set) means ``cuda:LOCAL_RANK``, one GPU per local process,
     unless fewer GPUs are visible (a launcher that gives each process its own): then the current one.
+    With a GPU but no nvImageCodec it means the CPU, with a :class:`CPUFallbackWarning`: a GPU run
+    that decodes on the CPU is slow, and should not go unnoticed.
 
     Raises:
         RuntimeError: For a CUDA device on a machine where none is usable.
@@ -132,9 +136,14 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
         if not torch.cuda.is_available():
             return torch.device("cpu")
         if not _nvimgcodec_installed():
-            logger.warning(
-                "a GPU is available but nvImageCodec is not installed, so images are decoded on the CPU; "
-                "pip install 'threadloader[cu12]' (or [cu13]) to decode on the GPU"
+            major = _cuda_major(torch.version.cuda)
+            extra = f"'threadloader[cu{major}]'" if major in (12, 13) else "'threadloader[cu12]' or '[cu13]'"
+            warnings.warn(
+                "a CUDA GPU is available, but nvImageCodec is not installed, so images are decoded on the "
+                f"CPU: pip install {extra} to decode on the GPU, or pass device='cpu' to decode on the CPU "
+                "without this warning",
+                CPUFallbackWarning,
+                stacklevel=4,  # the user's ThreadLoader(...) or BatchDecoder(...), through set_up
             )
             return torch.device("cpu")
         local_rank = os.environ.get("LOCAL_RANK", "")

@@ -63,6 +63,7 @@ class BatchProducer:
             from a generator seeded by (``seed``, epoch, sample index) and the image's size, which the
             decoder may know from the header: a random crop then decodes only its region.
         seed: See ``transform``.
+        collate: Turns the list of a batch's targets into its ``targets``; what it raises fails the group.
     """
 
     def __init__(
@@ -76,8 +77,10 @@ class BatchProducer:
         on_skip: Callable[[SampleError], None] | None = None,
         transform: Transform | None = None,
         seed: int = 0,
+        collate: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self._source = source
+        self._collate = collate or collate_targets
         self._transform = transform
         self._seed = seed
         self._decoder = decoder
@@ -183,7 +186,7 @@ class BatchProducer:
                 outcomes.append(
                     Batch(
                         images=images,
-                        targets=collate_targets([group.refs[p][2] for p in kept]),
+                        targets=self._collate([group.refs[p][2] for p in kept]),
                         indices=[group.refs[p][0] for p in kept],
                         ready=reader.seal(images if isinstance(images, list) else [images]),
                     )

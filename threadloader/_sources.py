@@ -5,24 +5,25 @@ A source is anything with ``__len__`` and ``__getitem__`` whose items are a path
 indexed from reader threads, never pickled, so classes defined in a notebook cell work as they are.
 Bytes that live elsewhere (a tar member, a URL) are a :class:`Deferred`: the source says where they are,
 and the reader thread reads them in the ``read`` stage. Tar shards (``_tar``) and URLs (``_remote``, through
-fsspec) plug in that way.
+fsspec) plug in that way; both sit below this module, on :mod:`._encoded`.
 """
 
 from __future__ import annotations
 
-import abc
 import functools
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
 from torch.utils.data import IterableDataset
 
 from ._cancel import check_cancelled
+from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import is_url, read_url, require_fsspec
+from ._tar import TarShards, is_shard_spec
 from .errors import SampleError
 
 __all__ = [
@@ -38,28 +39,6 @@ __all__ = [
     "origin_of",
     "read_batch",
 ]
-
-#: File extensions an :class:`ImageFolder` picks up (the same set as torchvision's ImageFolder).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-class Deferred(abc.ABC):
-    """Encoded bytes that are read later, in a reader thread: a tar member, a file behind a URL.
-
-    A source may return one wherever it could return a path; ``read`` must be safe to call from many
-    threads at once, and anything it raises becomes the sample's :class:`SampleError` (stage ``"read"``).
-    """
-
-    __slots__ = ()
-
-    @property
-    @abc.abstractmethod
-    def origin(self) -> str:
-        """Where the bytes are, for error messages (a URL, ``shard.tar:member``)."""
-
-    @abc.abstractmethod
-    def read(self) -> bytes:
-        """The encoded bytes."""
 
 
 class RemoteFile(Deferred):
@@ -103,32 +82,29 @@ class Source(Protocol):
 #: makes one per sample, and an object with fields costs several times more to build.
 Fetched: TypeAlias = "tuple[int, Encoded, Any]"
 
-# What a type is, looked up once per type: isinstance against an ABC (os.PathLike, Sequence, Deferred)
-# costs more per sample than the rest of the check.
 _PATH, _BYTES, _DEFERRED, _PAIR, _OTHER = range(5)
-_KINDS: dict[type, int] = {str: _PATH, bytes: _BYTES, tuple: _PAIR, list: _PAIR}
-_MAX_KINDS = 1024  # types made on the fly would grow the table without bound: past this, not kept
-# Written by any reader thread without a lock, on purpose: a dict's get and set are each atomic, and two
-# threads that race both store the same kind for the same type.
 
 
-def _kind(cls: type) -> int:
-    kind = _KINDS.get(cls)
-    if kind is not None:
-        return kind
+def _kind_of(cls: type) -> int:
+    """What a sample's type is: a path, bytes, a Deferred, a pair or something else.
+
+    The checks against ABCs (os.PathLike, Deferred, Sequence) cost more than the rest of a sample's
+    fetch, so :func:`_kind` does them once per type.
+    """
     if issubclass(cls, (str, os.PathLike)):
-        kind = _PATH
-    elif issubclass(cls, (bytes, bytearray, memoryview)):
-        kind = _BYTES
-    elif issubclass(cls, Deferred):
-        kind = _DEFERRED
-    elif issubclass(cls, Sequence):
-        kind = _PAIR
-    else:
-        kind = _OTHER
-    if len(_KINDS) < _MAX_KINDS:
-        _KINDS[cls] = kind
-    return kind
+        return _PATH
+    if issubclass(cls, (bytes, bytearray, memoryview)):
+        return _BYTES
+    if issubclass(cls, Deferred):
+        return _DEFERRED
+    if issubclass(cls, Sequence):
+        return _PAIR
+    return _OTHER
+
+
+#: :func:`_kind_of`, cached per type (docs/design.md has the cost it saves); bounded, as types made on
+#: the fly would grow it for ever.
+_kind: Callable[[type], int] = functools.lru_cache(maxsize=1024)(_kind_of)
 
 
 def origin_of(data: Encoded) -> str:
@@ -243,15 +219,12 @@ def as_source(source: object) -> Source:
     """Checks a user's source and returns something indexable.
 
     A directory becomes an :class:`ImageFolder`; a tar shard pattern (``"shards/{000000..000127}.tar"``,
-    one ``.tar`` path or URL) or a list of ``.tar`` paths becomes a ``TarShards``.
+    a glob ``"shards/*.tar"``, one ``.tar`` path or URL) or a list of them becomes a ``TarShards``.
 
     Raises:
         TypeError: If ``source`` is neither a directory nor a map-style dataset, with the likely fix.
         ImportError: If the source names URLs and fsspec is not installed.
     """
-    # Imported here: _tar builds on this module (Deferred, IMAGE_EXTENSIONS); this is only the dispatch.
-    from ._tar import TarShards, is_shard_spec
-
     if isinstance(source, (str, os.PathLike)):
         if os.path.isdir(source):
             return ImageFolder(source)

@@ -15,6 +15,7 @@ the walk on open (docs/sources.md has it measured) and a little memory per sampl
 from __future__ import annotations
 
 import bisect
+import glob
 import json
 import logging
 import os
@@ -23,13 +24,14 @@ import tarfile
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
+from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import filesystem, is_url
-from ._sources import IMAGE_EXTENSIONS, Deferred
 from .errors import ThreadLoaderError
 
 __all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
@@ -45,6 +47,7 @@ _TARGETS = ("auto", "cls", "txt", "json")
 # Compressed shards cannot be read by position: named so the error says what the file is.
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_GLOB = re.compile(r"[*?[]")  # what makes a local path a glob, as for the glob module
 
 
 class ShardError(ThreadLoaderError):
@@ -73,7 +76,7 @@ def _rebuild_shard_error(message: str, shard: str, member: str | None) -> ShardE
 
 
 def is_shard_spec(source: str | os.PathLike[str]) -> bool:
-    """Whether a path, URL or brace pattern names tar shards (by its suffix)."""
+    """Whether a path, URL, brace pattern or glob names tar shards (by its suffix)."""
     return os.fspath(source).lower().endswith(SHARD_SUFFIXES)
 
 
@@ -141,17 +144,20 @@ class _Storage(Protocol):
 class _LocalStorage:
     """Local files, read with ``os.pread`` (no shared position to race on) on descriptors kept open.
 
-    Each thread keeps its own descriptors (:class:`_Handles`), up to :data:`MAX_OPEN_SHARDS`, and all
-    threads together about :func:`max_open_total`, so a sample is one system call, not an open, a read
-    and a close; only that thread uses or closes them, so nothing can close a descriptor another thread
-    is reading. They are closed when the thread ends (a loader's reader threads end when it closes or
-    its pass ends) or when this storage, which the :class:`TarShards` and its members hold, is
-    collected; at interpreter exit they are left to the operating system, since a reader thread may
-    still be reading.
+    One storage per :class:`TarShards` (its members hold it too) keeps up to :data:`MAX_OPEN_SHARDS`
+    descriptors for every thread that reads through it, the least recently used closed first, so a
+    sample is one system call, not an open, a read and a close. A thread counts itself in on a
+    descriptor for its read, under the storage's lock, and only a descriptor no thread is reading is
+    closed: none is closed (and its number reused for another file) under a read. Files are opened
+    outside the lock, so a slow file system's open holds up no other read. The rest close when the
+    storage is collected; at interpreter exit they are left to the operating system, since a reader
+    thread may still be reading.
     """
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, _File] = OrderedDict()  # by path, the least recently used first
+        weakref.finalize(self, _close_all, self._files).atexit = False
 
     def __reduce__(self) -> tuple[type[_LocalStorage], tuple[()]]:
         """Pickles without the open files: a copy in another process opens its own."""
@@ -164,93 +170,69 @@ class _LocalStorage:
         return open(path, "rb")
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        handles: _Handles | None = getattr(self._local, "handles", None)
-        if handles is None:
-            handles = self._local.handles = _Handles()
-        fd = handles.fds.get(path)
-        if fd is None:
-            fd = handles.open(path)
-        data = os.pread(fd, size, offset)
-        if len(data) == size:
-            return data
-        chunks = [data]  # short: the shard ends early, or a read stopped short; read on until either is sure
-        while data and size > len(data):
-            offset, size = offset + len(data), size - len(data)
-            data = os.pread(fd, size, offset)
-            chunks.append(data)
-        return b"".join(chunks)
+        file = self._enter(path)
+        try:
+            data = os.pread(file.fd, size, offset)
+            if len(data) == size:
+                return data
+            chunks = [data]  # short: the shard ends early, or a read stopped short; read on until sure
+            while data and size > len(data):
+                offset, size = offset + len(data), size - len(data)
+                data = os.pread(file.fd, size, offset)
+                chunks.append(data)
+            return b"".join(chunks)
+        finally:
+            with self._lock:
+                file.readers -= 1
+                self._trim()
+
+    def _enter(self, path: str) -> _File:
+        """The open file at ``path``, with the calling thread counted among its readers."""
+        with self._lock:
+            file = self._files.get(path)
+            if file is not None:
+                self._files.move_to_end(path)
+                file.readers += 1
+                return file
+        opened = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        with self._lock:
+            file = self._files.get(path)
+            spare = opened if file is not None else None  # another thread opened it meanwhile
+            if file is None:
+                file = self._files[path] = _File(opened)
+            self._files.move_to_end(path)
+            file.readers += 1
+            self._trim()
+        if spare is not None:
+            os.close(spare)
+        return file
+
+    def _trim(self) -> None:
+        """Closes the least recently used files that no thread is reading, down to the bound (locked)."""
+        excess = len(self._files) - MAX_OPEN_SHARDS
+        if excess > 0:
+            for path in [path for path, file in self._files.items() if not file.readers][:excess]:
+                os.close(self._files.pop(path).fd)
 
 
-#: Most shard files one thread keeps open per :class:`TarShards`; beyond it, the oldest one is closed.
+#: Most shard files one :class:`TarShards` keeps open for its threads; beyond it, the least recently
+#: used one nobody is reading is closed.
 MAX_OPEN_SHARDS = 32
 
-#: Shard files kept open by all threads and sources together, and its lock.
-_open_total = 0
-_open_lock = threading.Lock()
+
+class _File:
+    """A shard file kept open, and how many threads are reading it now."""
+
+    __slots__ = ("fd", "readers")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.readers = 0
 
 
-def max_open_total() -> int:
-    """Most shard files all threads keep open together: a quarter of the descriptor limit, at most 256.
-
-    So many reader threads over many shards never use up the descriptors everything else in the process
-    needs; a thread past it closes its oldest file first, so each thread still holds at least one.
-    """
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no such limit here (Windows)
-        return 256
-    return 256 if soft == resource.RLIM_INFINITY else max(8, min(256, soft // 4))
-
-
-def _counted(change: int, *, limit: int | None = None) -> bool:
-    """Adds ``change`` to the shard files open process-wide, unless that passes ``limit``.
-
-    Counted before a file is opened and after it is closed, so the files open are never more than the
-    count.
-    """
-    global _open_total
-    with _open_lock:
-        if limit is not None and _open_total + change > limit:
-            return False
-        _open_total += change
-        return True
-
-
-class _Handles:
-    """One thread's open shard files, by path; closed when the thread ends or its storage goes away."""
-
-    __slots__ = ("__weakref__", "fds")
-
-    def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
-        weakref.finalize(self, _close_all, self.fds).atexit = False
-
-    def open(self, path: str) -> int:
-        if len(self.fds) >= MAX_OPEN_SHARDS:
-            self._close_oldest()
-        # Past the process-wide budget, close one of this thread's own first; a thread holding none
-        # opens one anyway, so it can always read.
-        while not _counted(1, limit=max_open_total() if self.fds else None):
-            self._close_oldest()
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except BaseException:
-            _counted(-1)
-            raise
-        self.fds[path] = fd
-        return fd
-
-    def _close_oldest(self) -> None:
-        os.close(self.fds.pop(next(iter(self.fds))))  # the one opened first
-        _counted(-1)
-
-
-def _close_all(fds: dict[str, int]) -> None:
-    while fds:
-        os.close(fds.popitem()[1])
-        _counted(-1)
+def _close_all(files: OrderedDict[str, _File]) -> None:
+    while files:
+        os.close(files.popitem()[1].fd)
 
 
 class _FsspecStorage:
@@ -356,7 +338,8 @@ class TarShards:
 
     Args:
         shards: A path or URL, a brace pattern (``"shards/{000000..000127}.tar"``, expanded as
-            WebDataset does), or a sequence of them. URLs are read through fsspec
+            WebDataset does), a glob of local paths (``"shards/*.tar"``: the matching files, sorted by
+            name), or a sequence of them. URLs are read through fsspec
             (``pip install 'threadloader[remote]'``).
         image: Extension(s) of the image member, first match wins: ``"jpg"``, ``("jpg", "png")``
             or ``"jpg;png"``. Default: every extension :class:`ImageFolder` reads.
@@ -498,7 +481,30 @@ def _expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -
     if not all(isinstance(spec, (str, os.PathLike)) for spec in specs):
         kinds = sorted({type(spec).__name__ for spec in specs})
         raise TypeError(f"shards must be paths or URLs (str or os.PathLike), got {', '.join(kinds)}")
-    return [url for spec in specs for url in expand_braces(os.fspath(spec))]
+    return [url for spec in specs for pattern in expand_braces(os.fspath(spec)) for url in _matching(pattern)]
+
+
+def _matching(pattern: str) -> list[str]:
+    """A local glob's shards, sorted by name; any other path or URL alone, as it is.
+
+    URLs are not globbed: HTTP cannot list, and a ``?`` or ``[`` is part of many URLs (a query, an IPv6
+    host). A ``*`` in one is refused with the brace syntax that names the shards instead.
+
+    Raises:
+        ShardError: If a local glob matches no file, or a URL holds a ``*``.
+    """
+    brace = "name the shards with a brace range instead: 'shards/{000000..000127}.tar'"
+    if is_url(pattern):
+        if "*" in pattern:
+            raise ShardError(f"{pattern}: URLs are not globbed; {brace}", shard=pattern)
+        return [pattern]
+    if not _GLOB.search(pattern) or os.path.exists(pattern):
+        return [pattern]
+    matches = sorted(glob.glob(pattern))
+    if not matches:
+        where = f"from {os.getcwd()!r}"
+        raise ShardError(f"{pattern}: no file matches this glob ({where}); {brace}", shard=pattern)
+    return matches
 
 
 def _extensions(image: str | Sequence[str] | None) -> tuple[str, ...]:

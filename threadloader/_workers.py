@@ -6,6 +6,9 @@ reads between the steps of a batch (a sample, an image, a batch), so a thread en
 however long its batch is, and its owner's waits are woken. The threads are daemons, and an ``atexit``
 hook cancels every group and waits until its threads have returned: a thread abandoned inside torch
 when the interpreter finalizes aborts the process (``terminate called without an active exception``).
+A daemon thread of the user's still iterating then waits until the process ends (:func:`_exiting`).
+Each thread runs torch's ops on itself alone (:func:`_one_intra_op_thread`): the threads are the
+parallelism.
 
 :class:`OrderedPool` runs numbered tasks on a group and hands results out in task order. Ordering does
 not depend on thread timing: tasks are numbered when they are taken, results are keyed by that number,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import sys
 import threading
@@ -26,6 +30,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from ._cancel import Cancelled, bind_cancel
 from .errors import LoaderClosedError
@@ -44,6 +50,8 @@ EXIT_NOTICE = 10.0
 
 _groups: weakref.WeakSet[ThreadGroup] = weakref.WeakSet()
 _groups_lock = threading.Lock()  # a WeakSet may not be changed while the exit hook copies it
+#: Set by the exit hook: a group made after it would start threads that nothing stops before finalization.
+_exited = False
 
 
 class ThreadGroup:
@@ -72,7 +80,11 @@ class ThreadGroup:
             for i in range(count)
         ]
         with _groups_lock:
-            _groups.add(self)
+            exited = _exited
+            if not exited:
+                _groups.add(self)
+        if exited:
+            raise _exiting()
         for thread in self._threads:
             thread.start()
 
@@ -104,8 +116,37 @@ class ThreadGroup:
 
     def _run(self, target: Callable[[int], None], index: int) -> None:
         bind_cancel(self.cancelled)
+        _one_intra_op_thread()
         with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
             target(index)
+
+
+def _one_intra_op_thread() -> None:
+    """Makes torch run the calling thread's ops on that thread alone, as DataLoader's workers do.
+
+    The readers are the parallelism: with each also splitting its resizes over every core (torch's
+    default), a 2-core machine ran 2 x 2 threads that wait for each other at every op, and on a busy
+    machine a large batch of mixed sizes loaded several times slower (docs/design.md has the numbers).
+    ``torch.set_num_threads(1)`` would do it for every thread of the process, the training loop's too,
+    so this sets OpenMP's per-thread count instead, after torch's own first setting of it in this
+    thread. Where torch's OpenMP runtime cannot be reached, nothing changes.
+    """
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        torch.get_num_threads()  # torch sets a thread's OpenMP count on its first call: let it go first
+        set_threads(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], object] | None:
+    """OpenMP's ``omp_set_num_threads`` of the runtime torch runs on, or ``None``."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:  # looked up from torch's own extension: the search covers the libraries it links, so its runtime
+        found: Callable[[int], object] = ctypes.CDLL(torch._C.__file__).omp_set_num_threads
+    except (AttributeError, OSError):
+        return None
+    return found
 
 
 @atexit.register
@@ -116,7 +157,9 @@ def _end_threads_at_exit() -> None:
     forever) holds the exit here, said on stderr after :data:`EXIT_NOTICE` seconds; Ctrl-C ends the
     wait. Returning earlier would leave the thread inside torch while the interpreter finalizes.
     """
+    global _exited
     with _groups_lock:
+        _exited = True
         groups = list(_groups)
     for group in groups:
         group.cancel()
@@ -187,9 +230,7 @@ class OrderedPool(Generic[T]):
                 was already waiting.
         """
         with self._cv:
-            while True:
-                if self._closed_error is not None:
-                    raise self._closed_error()
+            while self._closed_error is None:
                 if self._handed in self._results:
                     ok, value = self._results.pop(self._handed)
                     self._handed += 1
@@ -202,6 +243,8 @@ class OrderedPool(Generic[T]):
                 if not any(thread.is_alive() for thread in self._group.threads):
                     raise RuntimeError("all reader threads ended without producing the next batch")
                 self._cv.wait(POLL)
+            error = self._closed_error
+        raise error()  # outside the lock: the exit hook's error keeps a daemon thread here (_exiting)
 
     def close(self, error: Callable[[], BaseException] = StopIteration) -> None:
         """Stops taking tasks, drops pending results, cancels the work in progress and joins the threads.
@@ -260,4 +303,15 @@ class OrderedPool(Generic[T]):
 
 
 def _exiting() -> LoaderClosedError:
+    """Where a thread ends up that uses a pool, or starts a group, once the exit hook has run.
+
+    Only daemon threads still run then (Python joins the others before ``atexit`` hooks), and the main
+    thread in an exit hook that runs after this module's. A daemon thread waits here until the process
+    ends, as Python stops daemon threads at exit: silently, with the script's exit code, and never inside
+    torch, where stopping a thread aborts the process. Raising would unwind it, and the torch calls that
+    unwinding makes (freeing its batches) race the interpreter's finalization. The main thread, which
+    the process waits for, gets the error instead.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        threading.Event().wait()
     return LoaderClosedError("the interpreter is exiting: its exit hook closed this loader")

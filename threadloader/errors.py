@@ -1,4 +1,4 @@
-"""Exceptions raised by threadloader.
+"""Exceptions raised by threadloader, and the warnings it gives.
 
 Everything the library raises on purpose derives from :class:`ThreadLoaderError`, so a caller can tell
 a bad sample or a misuse of the loader from a bug anywhere else.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from queue import Full
 
-__all__ = ["LoaderClosedError", "QueueFullError", "SampleError", "ThreadLoaderError"]
+__all__ = ["CPUFallbackWarning", "LoaderClosedError", "QueueFullError", "SampleError", "ThreadLoaderError"]
 
 #: The heap address in a default object repr (``<_io.BytesIO object at 0x7f...>``): of no use to a reader,
 #: and a server that forwards the message would leak its memory layout.
@@ -64,4 +64,12 @@ class QueueFullError(ThreadLoaderError, Full):
     """The request queue is at ``max_queue``: the service is overloaded.
 
     Also a ``queue.Full``, so code written against the standard library's queues catches it.
+    """
+
+
+class CPUFallbackWarning(UserWarning):
+    """A GPU is there, but ``device=None`` decodes on the CPU: nvImageCodec is not installed.
+
+    A category of its own, so that it can be turned into an error where a silent CPU run would waste
+    GPU time (``warnings.simplefilter("error", CPUFallbackWarning)``), or filtered where the CPU is meant.
     """

@@ -12,6 +12,7 @@ import collections
 import functools
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -55,7 +56,8 @@ class ThreadLoader:
 
     Iterating yields ``(images, targets)``: ``images`` is a ``(B, 3, H, W)`` tensor on ``device`` when
     ``size`` is set (else a list of ``(3, H, W)`` tensors); ``targets`` is collated like
-    ``default_collate`` (ints become a ``LongTensor``), or ``None`` for a source without targets.
+    ``default_collate`` (ints become a ``LongTensor``), or ``None`` for a source without targets, unless
+    ``collate_fn`` collates them.
     Batches come in exactly the sampler's order, whatever the threads' timing.
 
     Args:
@@ -122,6 +124,16 @@ class ThreadLoader:
             ``device`` and ``backend`` choose; ``device`` is then its device, and ``backend``,
             ``decode_threads``, ``gpu_decoders``, ``max_pixels`` and ``region_decode`` (which configure
             the built-in decoders) must be left unset.
+        collate_fn: Makes a batch's ``targets`` from the list of its samples' targets, in batch order
+            (``None`` each, for a source without targets), in a reader thread: ``list`` keeps detection
+            boxes of different counts as they are. Unlike DataLoader's, it sees only the targets: the
+            loader decodes and stacks the images. Default: like ``default_collate``, and ``None`` for
+            a source without targets. What it raises is raised in the loop, at its batch (on a GPU, at
+            the first batch of the decode group it is in).
+        pin_memory: Copy each batch's CPU tensors (the images on the CPU path; tensor targets, also in
+            dicts, lists and tuples) into pinned memory, in the reader thread, so that
+            ``.cuda(non_blocking=True)`` copies them asynchronously. Needs CUDA: without it, a warning,
+            and batches stay in ordinary memory (as DataLoader does).
 
     Attributes:
         rank: The shard this process loads (see ``rank``).
@@ -163,7 +175,12 @@ class ThreadLoader:
         transform: Transform | Sequence[Transform] | None = None,
         region_decode: bool | None = None,
         decoder: ImageDecoder | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
     ) -> None:
+        if collate_fn is not None and not callable(collate_fn):
+            got = type(collate_fn).__name__
+            raise TypeError(f"collate_fn must be a function of the list of a batch's targets, got {got}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if decode_batch_size is not None and decode_batch_size < 1:
@@ -219,6 +236,7 @@ class ThreadLoader:
         )
         self.device, self.num_threads, self._output = setup.device, setup.num_threads, setup.output
         self.prefetch = prefetch
+        self.pin_memory = pin_memory and _can_pin()
         self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
         self._stats = StatsRecorder()
         # A partial, to remake the producer with the seed a loaded state brings (see load_state_dict).
@@ -230,6 +248,7 @@ class ThreadLoader:
             on_error=on_error,
             stats=self._stats,
             transform=self._transform,
+            collate=collate_fn,
         )
         self._producer = self._new_producer(seed=seed)
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
@@ -266,7 +285,7 @@ class ThreadLoader:
                 tasks=groups,
                 # Threads see only the producer and the streams, never the loader: dropping the loader
                 # and its iterators closes the pool.
-                work=functools.partial(_produce_on, self._producer, self._readers, epoch),
+                work=functools.partial(_produce_on, self._producer, self._readers, epoch, self.pin_memory),
                 num_threads=self.num_threads,
                 window=self.num_threads * self.prefetch,
                 name=f"threadloader-e{epoch}",
@@ -398,9 +417,45 @@ class ThreadLoader:
 
 
 def _produce_on(
-    producer: BatchProducer, readers: list[ReaderStream], epoch: int, batches: list[list[int]], thread: int
+    producer: BatchProducer,
+    readers: list[ReaderStream],
+    epoch: int,
+    pin: bool,
+    batches: list[list[int]],
+    thread: int,
 ) -> list[Outcome]:
-    return producer.produce(batches, readers[thread], epoch=epoch)
+    outcomes = producer.produce(batches, readers[thread], epoch=epoch)
+    if pin:
+        for outcome in outcomes:
+            if isinstance(outcome, Batch):
+                outcome.images, outcome.targets = _pinned(outcome.images), _pinned(outcome.targets)
+    return outcomes
+
+
+def _can_pin() -> bool:
+    """Whether pinned memory can be had here; else says so, once per loader, as DataLoader does."""
+    if torch.cuda.is_available():
+        return True
+    warnings.warn(
+        "pin_memory=True, but CUDA is not available here, and pinned memory needs it: batches stay in "
+        "ordinary memory; leave pin_memory unset on machines without a GPU",
+        UserWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+def _pinned(data: Any) -> Any:
+    """``data`` with its CPU tensors copied to pinned memory, in dicts, lists and tuples too."""
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory() if data.device.type == "cpu" else data
+    if isinstance(data, dict):
+        return {key: _pinned(value) for key, value in data.items()}
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple takes its fields one by one
+        return type(data)(*(_pinned(value) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_pinned(value) for value in data)
+    return data
 
 
 class _EpochIterator:
