@@ -12,7 +12,6 @@ import collections
 import functools
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import OrderedPool
+from ._workers import OrderedPool, WeakRegistry
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
@@ -236,7 +235,7 @@ class ThreadLoader:
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
         self._progress: _Progress | None = None  # the latest iteration's
-        self._iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
+        self._iterators: WeakRegistry[_EpochIterator] = WeakRegistry()
         self._closed = False
         self._lock = threading.RLock()  # close() and __iter__: a pass that starts is closed, or sees _closed
 
@@ -375,7 +374,7 @@ class ThreadLoader:
         """
         with self._lock:
             self._closed = True
-            iterators = list(self._iterators)
+            iterators = self._iterators.live()
         for iterator in iterators:
             iterator.close(error=_closed_error)
 
