@@ -436,8 +436,7 @@ class _EpochIterator:
             self.close()
             raise
         batch.ready.receive()
-        self._stats.count("batches")
-        self._stats.count("samples", len(batch.indices))
+        self._stats.count_many(batches=1, samples=len(batch.indices))
         return batch.images, batch.targets
 
     def _next_batch(self) -> Batch:
