@@ -237,7 +237,9 @@ class ThreadLoader:
         self._progress: _Progress | None = None  # the latest iteration's
         self._iterators: WeakRegistry[_EpochIterator] = WeakRegistry()
         self._closed = False
-        self._lock = threading.RLock()  # close() and __iter__: a pass that starts is closed, or sees _closed
+        # close() and __iter__ (a pass that starts is closed, or sees _closed), and the epoch state that
+        # __iter__, set_epoch, state_dict and load_state_dict read and write, from any thread.
+        self._lock = threading.RLock()
 
     @property
     def source(self) -> Any:
@@ -281,17 +283,18 @@ class ThreadLoader:
         ``set_epoch`` at the top of an epoch loop); another epoch starts from its first batch.
         """
         epoch = int(epoch)
-        if self._resume and epoch != self._next_epoch:
-            logger.warning(
-                "set_epoch(%d) replaces the position loaded by load_state_dict (epoch %d after %d batches): "
-                "epoch %d starts from its first batch",
-                epoch,
-                self._next_epoch,
-                self._resume,
-                epoch,
-            )
-            self._resume = 0
-        self._next_epoch = epoch
+        with self._lock:
+            if self._resume and epoch != self._next_epoch:
+                logger.warning(
+                    "set_epoch(%d) replaces the position loaded by load_state_dict (epoch %d after %d "
+                    "batches): epoch %d starts from its first batch",
+                    epoch,
+                    self._next_epoch,
+                    self._resume,
+                    epoch,
+                )
+                self._resume = 0
+            self._next_epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the latest iteration is, as plain data that ``torch.save`` and ``torch.load`` keep.
@@ -302,16 +305,18 @@ class ThreadLoader:
         left empty by ``on_error="skip"`` counts as passed. A batch that raised :class:`SampleError`
         is not passed: resuming raises it again.
         """
-        progress = self._progress
-        if progress is None or progress.finished:
-            epoch, batches = self._next_epoch, self._resume
-        else:
-            epoch, batches = progress.epoch, progress.consumed
+        with self._lock:
+            progress = self._progress
+            if progress is None or progress.finished:
+                epoch, batches = self._next_epoch, self._resume
+            else:
+                epoch, batches = progress.epoch, progress.consumed
+            seed = self._plan.seed
         return {
             "format": STATE_FORMAT,
             "epoch": epoch,
             "batches": batches,
-            "seed": self._plan.seed,
+            "seed": seed,
             "arguments": self._plan.arguments(),
         }
 
@@ -356,10 +361,11 @@ class ThreadLoader:
                 "this state was saved by a loader built with other arguments; build it with the saving "
                 "run's arguments. " + "; ".join(mismatches)
             )
-        if seed != self._plan.seed:
-            self._plan.seed = seed
-            self._producer = self._new_producer(seed=seed)
-        self._next_epoch, self._resume, self._progress = epoch, batches, None
+        with self._lock:
+            if seed != self._plan.seed:
+                self._plan.seed = seed
+                self._producer = self._new_producer(seed=seed)
+            self._next_epoch, self._resume, self._progress = epoch, batches, None
 
     def stats(self) -> LoaderStats:
         """Counters and per-stage host time since construction: samples, skipped, errors, fallbacks."""
