@@ -47,7 +47,8 @@ class ServiceStats:
     """A snapshot of a :class:`BatchDecoder`'s counters since it was created.
 
     ``submitted`` equals ``completed + failed + cancelled`` plus the requests still queued or being
-    decoded.
+    decoded; read while requests are answered, it is at least ``completed + failed + cancelled +
+    queue_depth``.
 
     Attributes:
         queue_depth: Requests waiting in the queue now (not yet taken by a worker).
@@ -276,12 +277,16 @@ class BatchDecoder:
 
     def stats(self) -> ServiceStats:
         """Counters, the batch-size histogram and recent latency percentiles since construction."""
+        # The answers before the queue: a request answered in between was submitted before the queue's
+        # read, so every snapshot has submitted >= completed + failed + cancelled + queue_depth. The
+        # other order counts a request queued at the first read and answered by the second twice.
+        answers = self._metrics.snapshot()
         pipeline = self._pipeline_stats.snapshot()
         return ServiceStats(
             **self._queue.counts(),
             cpu_fallbacks=pipeline.cpu_fallbacks,
             stage_seconds=pipeline.stage_seconds,
-            **self._metrics.snapshot(),
+            **answers,
         )
 
     def close(self, *, cancel_pending: bool = False) -> None:
