@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -390,9 +391,11 @@ class ThreadLoader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        # An interpreter tearing down may have cleared the module globals close() needs.
-        if getattr(self, "_iterators", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # Not at interpreter exit: the exit hook (_workers) has stopped every thread by then, and close()
+        # would find the module globals it needs cleared (a free-threaded build frees objects that late).
+        # Nor for a loader whose constructor raised.
+        if not _finalizing() and getattr(self, "_iterators", None) is not None:
             self.close()
 
     def __repr__(self) -> str:
@@ -473,8 +476,8 @@ class _EpochIterator:
         self._pending.clear()
         self._pool.close(error)
 
-    def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if not _finalizing() and getattr(self, "_pool", None) is not None:  # see ThreadLoader.__del__
             self.close()
 
 

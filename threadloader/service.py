@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -316,9 +317,10 @@ class BatchDecoder:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        # A finalizer must not block on queued work: holders of pending futures get CancelledError.
-        if getattr(self, "_group", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A finalizer must not block on queued work: holders of pending futures get CancelledError. Not
+        # at interpreter exit, where the exit hook has stopped the workers (see ThreadLoader.__del__).
+        if not _finalizing() and getattr(self, "_group", None) is not None:
             self.close(cancel_pending=True)
 
     def __repr__(self) -> str:
