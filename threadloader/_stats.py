@@ -64,6 +64,12 @@ class StatsRecorder:
         with self._lock:
             self._counts[name] += n
 
+    def count_many(self, **counts: int) -> None:
+        """Adds to several counters at once: no snapshot sees some of them added and not the others."""
+        with self._lock:
+            for name, n in counts.items():
+                self._counts[name] += n
+
     def add_time(self, stage: str, seconds: float) -> None:
         """Adds host seconds to ``stage``."""
         with self._lock:

@@ -36,7 +36,7 @@ import torch
 from ._cancel import Cancelled, bind_cancel
 from .errors import LoaderClosedError
 
-__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup"]
+__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup", "WeakRegistry"]
 
 T = TypeVar("T")
 
@@ -48,10 +48,38 @@ POLL = 0.5
 #: Seconds interpreter exit waits before saying on stderr which threads it is waiting for.
 EXIT_NOTICE = 10.0
 
-_groups: weakref.WeakSet[ThreadGroup] = weakref.WeakSet()
-_groups_lock = threading.Lock()  # a WeakSet may not be changed while the exit hook copies it
-#: Set by the exit hook: a group made after it would start threads that nothing stops before finalization.
+
+class WeakRegistry(Generic[T]):
+    """Objects held by weak reference, added and listed from any thread, under one lock.
+
+    Not a ``weakref.WeakSet``: its removals run in whichever thread drops an object, outside any lock of
+    the caller's, and one that lands while another thread copies the set raises "Set changed size
+    during iteration" there (a window the GIL made narrow; free-threaded Python runs it in parallel).
+    Here nothing changes outside the lock: dead references are dropped when an object is added.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refs: list[weakref.ref[T]] = []
+
+    def add(self, item: T) -> None:
+        """Adds ``item``, held weakly."""
+        with self._lock:
+            self._refs = [ref for ref in self._refs if ref() is not None]
+            self._refs.append(weakref.ref(item))
+
+    def live(self) -> list[T]:
+        """The objects added and still alive, in the order they were added."""
+        with self._lock:
+            return [item for item in (ref() for ref in self._refs) if item is not None]
+
+
+#: Every thread group alive, for the exit hook to stop.
+_groups: WeakRegistry[ThreadGroup] = WeakRegistry()
+#: Set by the exit hook, under its lock: a group made after it would start threads that nothing stops
+#: before finalization.
 _exited = False
+_exit_lock = threading.Lock()
 
 
 class ThreadGroup:
@@ -79,7 +107,7 @@ class ThreadGroup:
             threading.Thread(target=self._run, args=(target, i), name=f"{name}-{i}", daemon=True)
             for i in range(count)
         ]
-        with _groups_lock:
+        with _exit_lock:
             exited = _exited
             if not exited:
                 _groups.add(self)
@@ -158,9 +186,9 @@ def _end_threads_at_exit() -> None:
     wait. Returning earlier would leave the thread inside torch while the interpreter finalizes.
     """
     global _exited
-    with _groups_lock:
+    with _exit_lock:
         _exited = True
-        groups = list(_groups)
+        groups = _groups.live()
     for group in groups:
         group.cancel()
     started = time.monotonic()

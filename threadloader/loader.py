@@ -11,9 +11,9 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -26,7 +26,7 @@ from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import OrderedPool
+from ._workers import OrderedPool, WeakRegistry
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
@@ -255,9 +255,11 @@ class ThreadLoader:
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
         self._progress: _Progress | None = None  # the latest iteration's
-        self._iterators: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
+        self._iterators: WeakRegistry[_EpochIterator] = WeakRegistry()
         self._closed = False
-        self._lock = threading.RLock()  # close() and __iter__: a pass that starts is closed, or sees _closed
+        # close() and __iter__ (a pass that starts is closed, or sees _closed), and the epoch state that
+        # __iter__, set_epoch, state_dict and load_state_dict read and write, from any thread.
+        self._lock = threading.RLock()
 
     @property
     def source(self) -> Any:
@@ -301,17 +303,18 @@ class ThreadLoader:
         ``set_epoch`` at the top of an epoch loop); another epoch starts from its first batch.
         """
         epoch = int(epoch)
-        if self._resume and epoch != self._next_epoch:
-            logger.warning(
-                "set_epoch(%d) replaces the position loaded by load_state_dict (epoch %d after %d batches): "
-                "epoch %d starts from its first batch",
-                epoch,
-                self._next_epoch,
-                self._resume,
-                epoch,
-            )
-            self._resume = 0
-        self._next_epoch = epoch
+        with self._lock:
+            if self._resume and epoch != self._next_epoch:
+                logger.warning(
+                    "set_epoch(%d) replaces the position loaded by load_state_dict (epoch %d after %d "
+                    "batches): epoch %d starts from its first batch",
+                    epoch,
+                    self._next_epoch,
+                    self._resume,
+                    epoch,
+                )
+                self._resume = 0
+            self._next_epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the latest iteration is, as plain data that ``torch.save`` and ``torch.load`` keep.
@@ -322,16 +325,18 @@ class ThreadLoader:
         left empty by ``on_error="skip"`` counts as passed. A batch that raised :class:`SampleError`
         is not passed: resuming raises it again.
         """
-        progress = self._progress
-        if progress is None or progress.finished:
-            epoch, batches = self._next_epoch, self._resume
-        else:
-            epoch, batches = progress.epoch, progress.consumed
+        with self._lock:
+            progress = self._progress
+            if progress is None or progress.finished:
+                epoch, batches = self._next_epoch, self._resume
+            else:
+                epoch, batches = progress.epoch, progress.consumed
+            seed = self._plan.seed
         return {
             "format": STATE_FORMAT,
             "epoch": epoch,
             "batches": batches,
-            "seed": self._plan.seed,
+            "seed": seed,
             "arguments": self._plan.arguments(),
         }
 
@@ -376,10 +381,11 @@ class ThreadLoader:
                 "this state was saved by a loader built with other arguments; build it with the saving "
                 "run's arguments. " + "; ".join(mismatches)
             )
-        if seed != self._plan.seed:
-            self._plan.seed = seed
-            self._producer = self._new_producer(seed=seed)
-        self._next_epoch, self._resume, self._progress = epoch, batches, None
+        with self._lock:
+            if seed != self._plan.seed:
+                self._plan.seed = seed
+                self._producer = self._new_producer(seed=seed)
+            self._next_epoch, self._resume, self._progress = epoch, batches, None
 
     def stats(self) -> LoaderStats:
         """Counters and per-stage host time since construction: samples, skipped, errors, fallbacks."""
@@ -394,7 +400,7 @@ class ThreadLoader:
         """
         with self._lock:
             self._closed = True
-            iterators = list(self._iterators)
+            iterators = self._iterators.live()
         for iterator in iterators:
             iterator.close(error=_closed_error)
 
@@ -404,9 +410,11 @@ class ThreadLoader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        # An interpreter tearing down may have cleared the module globals close() needs.
-        if getattr(self, "_iterators", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # Not at interpreter exit: the exit hook (_workers) has stopped every thread by then, and close()
+        # would find the module globals it needs cleared (a free-threaded build frees objects that late).
+        # Nor for a loader whose constructor raised.
+        if not _finalizing() and getattr(self, "_iterators", None) is not None:
             self.close()
 
     def __repr__(self) -> str:
@@ -492,8 +500,7 @@ class _EpochIterator:
             self.close()
             raise
         batch.ready.receive()
-        self._stats.count("batches")
-        self._stats.count("samples", len(batch.indices))
+        self._stats.count_many(batches=1, samples=len(batch.indices))
         return batch.images, batch.targets
 
     def _next_batch(self) -> Batch:
@@ -524,8 +531,8 @@ class _EpochIterator:
         self._pending.clear()
         self._pool.close(error)
 
-    def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if not _finalizing() and getattr(self, "_pool", None) is not None:  # see ThreadLoader.__del__
             self.close()
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -47,7 +48,8 @@ class ServiceStats:
     """A snapshot of a :class:`BatchDecoder`'s counters since it was created.
 
     ``submitted`` equals ``completed + failed + cancelled`` plus the requests still queued or being
-    decoded.
+    decoded; read while requests are answered, it is at least ``completed + failed + cancelled +
+    queue_depth``.
 
     Attributes:
         queue_depth: Requests waiting in the queue now (not yet taken by a worker).
@@ -276,12 +278,16 @@ class BatchDecoder:
 
     def stats(self) -> ServiceStats:
         """Counters, the batch-size histogram and recent latency percentiles since construction."""
+        # The answers before the queue: a request answered in between was submitted before the queue's
+        # read, so every snapshot has submitted >= completed + failed + cancelled + queue_depth. The
+        # other order counts a request queued at the first read and answered by the second twice.
+        answers = self._metrics.snapshot()
         pipeline = self._pipeline_stats.snapshot()
         return ServiceStats(
             **self._queue.counts(),
             cpu_fallbacks=pipeline.cpu_fallbacks,
             stage_seconds=pipeline.stage_seconds,
-            **self._metrics.snapshot(),
+            **answers,
         )
 
     def close(self, *, cancel_pending: bool = False) -> None:
@@ -311,9 +317,10 @@ class BatchDecoder:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        # A finalizer must not block on queued work: holders of pending futures get CancelledError.
-        if getattr(self, "_group", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A finalizer must not block on queued work: holders of pending futures get CancelledError. Not
+        # at interpreter exit, where the exit hook has stopped the workers (see ThreadLoader.__del__).
+        if not _finalizing() and getattr(self, "_group", None) is not None:
             self.close(cancel_pending=True)
 
     def __repr__(self) -> str:
