@@ -9,8 +9,8 @@ The contract's types live here; each part of it acts where its data is:
 2. The pipeline draws a sample's parameters from the size in the header and asks the transform for its
    region: ``_Plans.region_of``, a :data:`RegionOf` that the decoder calls (``_pipeline.py``).
 3. A decoder that can decode part of an image asks ``region_of`` with the size as displayed and
-   reports what it decoded as a region: ``DecodedBatch.regions``, ``DecodedBatch.padded`` and its
-   ``padded_rows`` (``decode/base.py``); a region it gave up on is decoded whole and left out of
+   reports what it decoded as a region: ``DecodedBatch.regions``, ``DecodedBatch.batch`` and its
+   ``rows`` and ``extents`` (``decode/base.py``); a region it gave up on is decoded whole and left out of
    ``regions``, so the pipeline crops it with the parameters drawn from the whole image.
 4. The GPU decoder puts regions of different sizes at the top-left corners of one padded
    ``(B, Hmax, Wmax, 3)`` tensor, which the crop's resampling reads as one batch:
