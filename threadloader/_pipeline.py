@@ -167,12 +167,13 @@ class BatchProducer:
         for size, failed in zip(group.sizes, errors, strict=True):
             check_cancelled()
             last = first + size
-            self._stats.count("errors", len(failed))
             if failed and self._on_error == "raise":
+                self._stats.count("errors", len(failed))
                 outcomes.append(failed[0])
                 break
+            # Errors and skips in one lock hold: no snapshot sees a batch's errors without its skips.
+            self._stats.count_many(errors=len(failed), skipped=len(failed))
             for error in failed:
-                self._stats.count("skipped")
                 self._on_skip(error)
             kept = [] if decoded is None else _kept(decoded, first, last)
             if decoded is None or not kept:
