@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._regions import Region
+from ._transfer import to_device
 
 __all__ = ["resample"]
 
@@ -225,6 +226,4 @@ def resample(
 
 def _boxes(values: list[int], device: torch.device) -> torch.Tensor:
     """The per-image int32 parameters on ``device``, copied without waiting for the stream."""
-    from .functional import _to_device
-
-    return _to_device(torch.tensor(values, dtype=torch.int32), device)
+    return to_device(torch.tensor(values, dtype=torch.int32), device)

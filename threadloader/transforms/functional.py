@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .._regions import Region
 from . import _kernels
+from ._transfer import to_device
 
 __all__ = [
     "Images",
@@ -172,7 +173,7 @@ def _resample_batched(
     # trip for the calling thread, so once per call rather than once per chunk.
     (out_h, out_w) = size
     spans = [(top, h, out_h) for top, _, h, _ in regions] + [(left, w, out_w) for _, left, _, w in regions]
-    on_device = _to_device(torch.tensor(spans, dtype=compute), images[0].device)
+    on_device = to_device(torch.tensor(spans, dtype=compute), images[0].device)
     weights = _filter_weights(on_device, max(out_h, out_w), max(height, width), antialias)
     count = len(images)
     step = max(1, _RESAMPLE_ELEMENTS // (channels * height * width))
@@ -310,18 +311,5 @@ def horizontal_flip_rows(batch: torch.Tensor, flips: Sequence[bool]) -> torch.Te
         return batch
     if all(flips):
         return horizontal_flip(batch)
-    mask = _to_device(torch.tensor(flips, dtype=torch.bool), batch.device)
+    mask = to_device(torch.tensor(flips, dtype=torch.bool), batch.device)
     return torch.where(mask.view(-1, 1, 1, 1), horizontal_flip(batch), batch)
-
-
-def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copies a small host tensor to ``device`` without waiting for the stream.
-
-    Through pinned memory from torch's host cache, which keeps it until the copy has run; a pageable
-    copy would wait. Staged by hand: ``Tensor.pin_memory()`` first asks the driver whether the tensor is
-    pinned already, a driver call per copy (its cost: docs/benchmarks.md).
-    """
-    if device.type == "cpu":
-        return values
-    staged = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True).copy_(values)
-    return staged.to(device, non_blocking=True)
