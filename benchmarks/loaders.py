@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import os
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,12 @@ def import_optional(module: str) -> Any:
         if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
             raise SkipRow(f"{e.name} is not installed") from e
         raise
+
+
+def _built(on_built: Callable[[], None] | None) -> None:
+    """Tells the caller the loader is built and not yet iterated (a start-up pause goes here)."""
+    if on_built is not None:
+        on_built()
 
 
 def endless_batches(n: int, batch_size: int) -> Iterator[list[int]]:
@@ -168,6 +174,7 @@ def pil_dataloader(
     device: str,
     augment: bool = False,
     normalize: bool = False,
+    on_built: Callable[[], None] | None = None,
 ) -> Iterator[Batch]:
     """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking.
 
@@ -180,6 +187,7 @@ def pil_dataloader(
         multiprocessing_context="fork" if workers else None,
         pin_memory=device == "cuda",
     )
+    _built(on_built)
     for images, targets in loader:
         floats = images.to(device, non_blocking=True).float().div_(255)
         if augment or normalize:  # a training pipeline normalizes; here on the GPU, after the copy
@@ -259,6 +267,7 @@ def spawn_collate_nvimgcodec(
     device: str,
     augment: bool = False,
     normalize: bool = False,
+    on_built: Callable[[], None] | None = None,
 ) -> Iterator[Batch]:
     """Spawned workers decode on the GPU; CUDA batches reach this process through CUDA IPC."""
     _require_cuda(device)
@@ -270,6 +279,7 @@ def spawn_collate_nvimgcodec(
         multiprocessing_context="spawn",
         collate_fn=NvImgCodecCollate(size=size, augment=augment, normalize=normalize),
     )
+    _built(on_built)
     for images, targets in loader:
         yield images, targets.to(device, non_blocking=True)
 
@@ -354,6 +364,7 @@ def dali(
     device: str,
     augment: bool = False,
     normalize: bool = False,
+    on_built: Callable[[], None] | None = None,
 ) -> Iterator[Batch]:
     """DALI's own pipeline over the directory, as its ResNet-50 examples build it.
 
@@ -404,6 +415,7 @@ def dali(
 
     pipe = pipeline()
     pipe.build()
+    _built(on_built)
     # No reader_name: the file reader wraps around, so the iterator is endless like the other rows'.
     for (outputs,) in DALIGenericIterator([pipe], ["images", "labels"]):
         yield outputs["images"], outputs["labels"].reshape(-1).long().to(device, non_blocking=True)
@@ -462,6 +474,7 @@ def threadloader(
     channels_last: bool = False,
     options: Mapping[str, Any] | None = None,
     engine: str | None = None,
+    on_built: Callable[[], None] | None = None,
 ) -> Iterator[Batch]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
@@ -490,5 +503,6 @@ def threadloader(
             region_decode=region_decode,
         ) as loader,
     ):
+        _built(on_built)
         for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
             yield images, targets.to(device, non_blocking=True)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -41,11 +41,11 @@ import torch
 from benchmarks import loaders, timeline
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
-from benchmarks.run import DeviceMemory, _names, _release, _take, hardware, record_failure
+from benchmarks.run import DeviceMemory, _installed, _names, _release, _take, hardware, record_failure
 from benchmarks.train_step import KINDS, Step, make_step, model_name
 
 PIPELINES = ("resize", "augment")
-LOADERS = ("fixed_input", "threadloader", "spawn_collate_nvimgcodec", "pil_dataloader")
+LOADERS = ("fixed_input", "threadloader", "dali", "spawn_collate_nvimgcodec", "pil_dataloader")
 PRIORITIES = ("high", "default")
 SET = "varied"
 
@@ -57,6 +57,7 @@ _DEFAULTS = {  # option: (full run, --quick)
     "steps": (20, 2),
     "windows": (3, 3),
     "row_timeout": (150.0, 120.0),
+    "startup_pause": (1.0, 0.0),
 }
 
 
@@ -88,7 +89,9 @@ class TrainingRow:
     images_per_s: list[float] = field(default_factory=list)  # one per timed window
     ms_per_step: list[float] = field(default_factory=list)
     data_wait_frac: list[float] = field(default_factory=list)
-    startup_s: float | None = None
+    startup_s: float | None = None  # building the loader and its first step, the pause left out
+    build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
+    first_batch_s: float | None = None  # after the pause, to the end of the first step
     extra_torch_peak_mb: float | None = None
     extra_device_mb: float | None = None
     row_s: float | None = None  # the row's process, start to end
@@ -115,12 +118,18 @@ def fixed_input(*, size: tuple[int, int], batch_size: int, device: str) -> Gener
         yield images, targets
 
 
-def _loader(spec: RowSpec, args: argparse.Namespace) -> Generator[Batch, None, None]:
-    """The row's batch generator (not started: its first ``next()`` builds the loader)."""
+def _loader(
+    spec: RowSpec, args: argparse.Namespace, on_built: Callable[[], None]
+) -> Generator[Batch, None, None]:
+    """The row's batch generator (not started: its first ``next()`` builds the loader, then ``on_built``)."""
     size, device, b = OUTPUT_SIZE[SET], args.device, args.batch_size
     if spec.loader == "fixed_input":
         return fixed_input(size=size, batch_size=b, device=device)
-    pipeline = {"augment": spec.pipeline == "augment", "normalize": True}
+    pipeline = {"augment": spec.pipeline == "augment", "normalize": True, "on_built": on_built}
+    if spec.loader == "dali":
+        return loaders.dali(  # type: ignore[return-value]
+            args.root, size=size, batch_size=b, workers=args.workers, device=device, **pipeline
+        )
     if spec.loader == "threadloader":
         return loaders.threadloader(  # type: ignore[return-value]
             args.root,
@@ -163,10 +172,22 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
         step(baseline)
         step_peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
         memory.start()
-        stream = _loader(spec, args)
+        built: list[float] = []
+
+        def pause() -> None:  # the script's own set-up between building the loader and its loop
+            built.append(time.perf_counter())
+            time.sleep(args.startup_pause)
+
+        stream = _loader(spec, args, pause)
         started = time.perf_counter()
         step(next(stream))
-        row.startup_s = time.perf_counter() - started
+        ended = time.perf_counter()
+        if built:  # fixed input builds nothing
+            row.build_s = built[0] - started
+            row.first_batch_s = ended - built[0] - args.startup_pause
+            row.startup_s = row.build_s + row.first_batch_s
+        else:
+            row.startup_s = ended - started
         _take(stream, step, args.warmup)
         _progress(f"started in {row.startup_s:.1f} s, warmed up")
         if args.profile:
@@ -245,6 +266,8 @@ def _skip_reason(spec: RowSpec, device: str) -> str | None:
         return "CUDA graphs need a CUDA device"
     if device != "cuda" and spec.loader == "spawn_collate_nvimgcodec":
         return "needs a CUDA device"
+    if spec.loader == "dali" and not _installed("nvidia.dali"):
+        return "nvidia.dali is not installed"
     return None
 
 
@@ -307,6 +330,8 @@ def markdown(rows: Sequence[TrainingRow], config: dict[str, object], info: dict[
         "extra GPU MB (torch peak)",
         "extra GPU MB (device)",
         "startup s",
+        "build s",
+        "first batch s",
         "note",
     ]
     lines = [
@@ -334,6 +359,8 @@ def markdown(rows: Sequence[TrainingRow], config: dict[str, object], info: dict[
             _num(row.extra_torch_peak_mb, ",.0f"),
             _num(row.extra_device_mb, ",.0f"),
             _num(row.startup_s, ".1f"),
+            _num(row.build_s, ".2f"),
+            _num(row.first_batch_s, ".2f"),
             "" if row.status == "ok" else f"{row.status}: {row.reason}".replace("|", "/"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -397,6 +424,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="ThreadLoader's reader stream priority; both: a row for each",
     )
     p.add_argument("--row-timeout", type=float, help="seconds before a row's process is stopped")
+    p.add_argument(
+        "--startup-pause",
+        type=float,
+        help="seconds between building a loader and its first batch, as a script's set-up (default 1)",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--out", type=Path, help="write training.md, training.json and training.png here")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -462,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
         "steps": args.steps,
         "windows": args.windows,
         "workers": args.workers,
+        "startup_pause": args.startup_pause,
         "device": args.device,
         "wall_s": round(time.perf_counter() - started),
     }

@@ -136,3 +136,45 @@ def test_gpu_decoders_is_ignored_on_the_cpu() -> None:
     samples = [(encode(photo(20, 30, seed=i)), i) for i in range(4)]
     with ThreadLoader(samples, batch_size=2, device="cpu", gpu_decoders=3) as loader:
         assert sum(len(targets) for _, targets in loader) == 4
+
+
+def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
+    """Building the decoder is cheap (a front end warms it up in the background); the first use makes
+    the first Decoder, under a lock that later callers wait on; a failed first use is tried again."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    import torch
+
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    made: list[tuple[object, ...]] = []
+    failures = [RuntimeError("no Decoder today")]
+    entered, release = threading.Event(), threading.Event()
+
+    def new(*key: object) -> object:
+        entered.set()
+        assert release.wait(10)
+        if failures:
+            raise failures.pop()
+        made.append(key)
+        return object()
+
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0), cpu_threads=3, engine="python", registry=DecoderRegistry(new)
+    )
+    assert not entered.is_set()  # the constructor made nothing
+    release.set()
+    with pytest.raises(RuntimeError, match="no Decoder today"):
+        decoder.engine  # noqa: B018  # the first use makes the first Decoder: here it fails
+    assert made == []
+    release.clear()
+    entered.clear()
+    answers: list[str] = []
+    callers = [threading.Thread(target=lambda: answers.append(decoder.engine)) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    assert entered.wait(5)
+    release.set()
+    for caller in callers:
+        caller.join(10)
+    assert answers == ["python"] * 4
+    assert made == [("python", 0, "auto", 3)]  # tried again after the failure; made once for four callers

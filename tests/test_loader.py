@@ -953,7 +953,7 @@ def test_cuda_major_mismatch_between_codec_and_torch_is_named(
     def no_capi() -> None:
         raise device_module._capi.Unsupported("not here")
 
-    monkeypatch.setattr(device_module._capi, "load", no_capi)  # the version from the Python API
+    monkeypatch.setattr(device_module._capi, "library", no_capi)  # the version from the Python API
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

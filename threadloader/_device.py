@@ -78,7 +78,7 @@ def _nvimgcodec_installed() -> bool:
 def _codec_cuda_major() -> int | None:
     """The CUDA major version nvImageCodec is built for: from its C library, else its Python API."""
     try:
-        return _cuda_major(_capi.load().library.cudart_version)
+        return _cuda_major(_capi.library().cudart_version)
     except _capi.Unsupported:
         pass
     try:

@@ -25,12 +25,18 @@ __all__ = ["Setup", "as_transform", "region_decode_default", "set_up", "stacking
 
 @dataclass(frozen=True)
 class Setup:
-    """What a front end runs on: its device, reader threads, decoder and output format."""
+    """What a front end runs on: its device, reader threads, decoder and output format.
+
+    ``warm_up``: whether to start a :class:`~threadloader._warmup.Warmup`: for the GPU decoder built here,
+    whose first batch costs seconds; not for the CPU, nor for a decoder passed in (its first call is
+    its own business, and a test double's calls are counted).
+    """
 
     device: torch.device
     num_threads: int
     decoder: ImageDecoder
     output: OutputFormat
+    warm_up: bool = False
 
 
 def region_decode_default() -> bool:
@@ -107,7 +113,7 @@ def set_up(
         max_pixels=max_pixels,
         region_decode=region_decode_default() if region_decode is None else region_decode,
     )
-    return Setup(resolved, threads, built, output)
+    return Setup(resolved, threads, built, output, warm_up=resolved.type == "cuda")
 
 
 def _decoder_device(

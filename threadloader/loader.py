@@ -26,6 +26,7 @@ from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
+from ._warmup import Warmup
 from ._workers import OrderedPool, WeakRegistry
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .errors import LoaderClosedError, SampleError
@@ -251,6 +252,8 @@ class ThreadLoader:
             collate=collate_fn,
         )
         self._producer = self._new_producer(seed=seed)
+        # Started before the readers' streams: it loads the decoder while the caller builds the rest.
+        self._warmup = Warmup(self._new_producer, self.device) if setup.warm_up else None
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
@@ -287,7 +290,9 @@ class ThreadLoader:
                 tasks=groups,
                 # Threads see only the producer and the streams, never the loader: dropping the loader
                 # and its iterators closes the pool.
-                work=functools.partial(_produce_on, self._producer, self._readers, epoch, self.pin_memory),
+                work=functools.partial(
+                    _produce_on, self._producer, self._readers, self._warmup, epoch, self.pin_memory
+                ),
                 num_threads=self.num_threads,
                 window=self.num_threads * self.prefetch,
                 name=f"threadloader-e{epoch}",
@@ -401,6 +406,8 @@ class ThreadLoader:
         with self._lock:
             self._closed = True
             iterators = self._iterators.live()
+        if self._warmup is not None:
+            self._warmup.cancel()
         for iterator in iterators:
             iterator.close(error=_closed_error)
 
@@ -427,11 +434,14 @@ class ThreadLoader:
 def _produce_on(
     producer: BatchProducer,
     readers: list[ReaderStream],
+    warmup: Warmup | None,
     epoch: int,
     pin: bool,
     batches: list[list[int]],
     thread: int,
 ) -> list[Outcome]:
+    if warmup is not None:
+        warmup.wait()  # returns at once after the first group: the warm-up ran once, at construction
     outcomes = producer.produce(batches, readers[thread], epoch=epoch)
     if pin:
         for outcome in outcomes:

@@ -24,10 +24,12 @@ import torch
 
 from ._handoff import ReaderStream
 from ._options import as_transform, set_up
+from ._pipeline import BatchProducer
 from ._serving.engine import Engine, serve
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue
 from ._stats import STAGES, StatsRecorder
+from ._warmup import Warmup
 from ._workers import JOIN_TIMEOUT, ThreadGroup
 from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
 from .errors import QueueFullError
@@ -189,12 +191,19 @@ class BatchDecoder:
         self._output = setup.output
         self._pipeline_stats = StatsRecorder()
         self._metrics = Metrics()
+        self._warmup = warmup = None
+        if setup.warm_up:  # the first request would pay seconds of start-up: spent while the caller sets up
+            self._warmup = warmup = Warmup(
+                functools.partial(BatchProducer, decoder=setup.decoder, output=setup.output, transform=chain),
+                self.device,
+            )
         engine = Engine(
             decoder=setup.decoder,
             output=setup.output,
             transform=chain,
             pipeline_stats=self._pipeline_stats,
             metrics=self._metrics,
+            warmup=warmup,
         )
         self._queue = RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
         readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
@@ -300,6 +309,8 @@ class BatchDecoder:
                 are joined within about a second.
         """
         self._queue.close(cancel_pending=cancel_pending)
+        if self._warmup is not None:
+            self._warmup.cancel()
         # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
         self._group.join(JOIN_TIMEOUT if cancel_pending else None)
 

@@ -17,6 +17,7 @@ from .._handoff import ReaderStream, Ready
 from .._output import OutputFormat
 from .._pipeline import Batch, BatchProducer
 from .._stats import StatsRecorder
+from .._warmup import Warmup
 from ..decode.base import ImageDecoder
 from ..errors import LoaderClosedError, SampleError
 from ..transforms import Transform
@@ -49,11 +50,14 @@ class Engine:
     transform: Transform | None
     pipeline_stats: StatsRecorder
     metrics: Metrics
+    warmup: Warmup | None = None
 
     def run(self, requests: list[Request], reader: ReaderStream) -> None:
         """Decodes the requests as one batch on ``reader``'s stream and answers each future."""
         self.metrics.batch(len(requests))
         try:
+            if self.warmup is not None:
+                self.warmup.wait()  # returns at once after the first batch
             self._answer_all(requests, self._decode(requests, reader))
         except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
             self._fail_unanswered(requests, LoaderClosedError(_CLOSED_WHILE_DECODING))

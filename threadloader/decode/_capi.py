@@ -651,7 +651,34 @@ def _package_directory() -> Path:
 
 
 _lock = threading.Lock()
+_library: Library | Unsupported | None = None
 _loaded: Instance | Unsupported | None = None
+
+
+def library() -> Library:
+    """The installed nvImageCodec's library, loaded and checked on first call, without an instance.
+
+    Enough for its version and CUDA runtime (a front end's check when it is built); the instance,
+    which loads the codecs' own libraries, is :func:`load`'s.
+
+    Raises:
+        Unsupported: Why the C API cannot be used here (the same reason on every call).
+    """
+    global _library
+    with _lock:
+        if _library is None:
+            try:
+                mismatched = {s.__name__: (sizeof(s), n) for s, n in _SIZES.items() if sizeof(s) != n}
+                if mismatched or IMAGE_INFO.itemsize != sizeof(_ImageInfo):
+                    raise Unsupported(
+                        f"the mirrored structs do not have nvImageCodec 0.9's sizes: {mismatched}"
+                    )
+                _library = Library(_package_directory())
+            except Unsupported as exc:
+                _library = exc
+        if isinstance(_library, Unsupported):
+            raise _library
+        return _library
 
 
 def load() -> Instance:
@@ -661,15 +688,11 @@ def load() -> Instance:
         Unsupported: Why the C API cannot be used here (the same reason on every call).
     """
     global _loaded
+    loaded = library()
     with _lock:
         if _loaded is None:
             try:
-                mismatched = {s.__name__: (sizeof(s), n) for s, n in _SIZES.items() if sizeof(s) != n}
-                if mismatched or IMAGE_INFO.itemsize != sizeof(_ImageInfo):
-                    raise Unsupported(
-                        f"the mirrored structs do not have nvImageCodec 0.9's sizes: {mismatched}"
-                    )
-                _loaded = Instance(Library(_package_directory()))
+                _loaded = Instance(loaded)
             except Unsupported as exc:
                 _loaded = exc
         if isinstance(_loaded, Unsupported):

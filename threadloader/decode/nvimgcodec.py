@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -196,8 +197,10 @@ class NvImageCodecDecoder(ImageDecoder):
             CPU threads), each called by one thread at a time. The pool is process-wide: decoders of
             one configuration share it, and regions have a pool of their own.
         engine: ``"capi"`` or ``"python"`` (:data:`ENGINES`); ``None``: the C API, unless
-            ``THREADLOADER_CAPI=0``, where it loads and passes its self-test on the device (once per
-            process), else the Python API, with a warning saying why.
+            ``THREADLOADER_CAPI=0`` (read here), where it loads and passes its self-test on the device
+            (once per process), else the Python API, with a warning saying why. Chosen, and the first
+            Decoder made, on first use (a front end does it in the background when it is built), so
+            an nvImageCodec that cannot make a Decoder fails the first batch, not this constructor.
         registry: Where Decoders and verdicts come from: the process's, unless a test brings its own.
     """
 
@@ -221,27 +224,55 @@ class NvImageCodecDecoder(ImageDecoder):
             raise ValueError(f"engine must be one of {ENGINES} or None, got {engine!r}")
         check_gpu_decoders(gpu_decoders)
         self.device = device
+        self._backend = backend
         self._max_pixels = max_pixels
         self._region_decode = region_decode
         self._registry = registry
         self._gpu_decoders = gpu_decoders
         self._cpu_threads = cpu_threads
-        self._engine = self._choose_engine(engine)
-        self._key: DecoderKey = (self._engine.name, device.index, backend, cpu_threads)
-        # Made now, not by the first reader: a Decoder that cannot be made fails the constructor.
-        registry.release(self._key, registry.acquire(self._key, gpu_decoders))
-        region_backend = REGION_BACKEND if backend in ("auto", "split") else backend
-        self._region_key: DecoderKey = (self._engine.name, device.index, region_backend, cpu_threads)
+        if engine is None:  # the environment is read now, as the rest of the configuration
+            engine = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
+        self._wanted = engine
+        self._started = threading.Lock()
+        self._prepared: tuple[Engine, DecoderKey, DecoderKey] | None = None
 
     @property
     def engine(self) -> str:
-        """The engine this decoder decodes with: ``"capi"`` or ``"python"``."""
-        return self._engine.name
+        """The engine this decoder decodes with: ``"capi"`` or ``"python"`` (chosen on first use)."""
+        return self._start()[0].name
 
-    def _choose_engine(self, wanted: str | None) -> Engine:
-        """The engine asked for; by default the C API where it works on this device, else the Python API."""
-        if wanted is None:
-            wanted = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
+    def _start(self) -> tuple[Engine, DecoderKey, DecoderKey]:
+        """The engine and the pools' keys, chosen by the first call, which also makes the first Decoder.
+
+        Not in the constructor: loading nvImageCodec, its self-test and a Decoder take seconds, which a
+        front end spends in the background (``threadloader._warmup``) while its caller sets up the
+        rest. Later callers wait for the first; a call that raises leaves the next one to try again.
+        """
+        with self._started:
+            if self._prepared is None:
+                engine = self._choose_engine(self._wanted)
+                index = self.device.index
+                assert index is not None
+                key: DecoderKey = (engine.name, index, self._backend, self._cpu_threads)
+                self._registry.release(key, self._registry.acquire(key, self._gpu_decoders))
+                region_backend = REGION_BACKEND if self._backend in ("auto", "split") else self._backend
+                self._prepared = (engine, key, (engine.name, index, region_backend, self._cpu_threads))
+            return self._prepared
+
+    @property
+    def _engine(self) -> Engine:
+        return self._start()[0]
+
+    @property
+    def _key(self) -> DecoderKey:
+        return self._start()[1]
+
+    @property
+    def _region_key(self) -> DecoderKey:
+        return self._start()[2]
+
+    def _choose_engine(self, wanted: str) -> Engine:
+        """The engine asked for: the C API where it works on this device, else the Python API."""
         if wanted == "python":
             return engine_named("python")
         try:

@@ -1,0 +1,236 @@
+"""The background warm-up a front end starts when it is built (threadloader._warmup), on the CPU.
+
+On a GPU it loads nvImageCodec, makes Decoders and compiles kernels while the caller builds the rest;
+here a gated Pillow decoder stands in, and the front ends are told to warm up on the CPU, so what is
+checked is the mechanism: it runs in the background, the readers wait for it, it counts nothing of the
+user's, calls nothing of the user's, and stops with its owner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from threadloader import BatchDecoder, ThreadLoader, _options, loader, service
+from threadloader._cancel import Cancelled, bind_cancel, check_cancelled
+from threadloader._stats import StatsRecorder
+from threadloader._warmup import Warmup, warmup_source
+from threadloader.decode.base import DecodedBatch, ImageDecoder, RegionOf
+from threadloader.decode.pillow import PillowDecoder
+
+from .conftest import encode, photo
+
+
+class RecordingDecoder(ImageDecoder):
+    """Pillow, recording each call's thread and size; the first call blocks until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.gate = threading.Event()
+        self.calls: list[tuple[str, int]] = []
+        self.first_entered = threading.Event()
+        self._inner = PillowDecoder()
+
+    def decode(
+        self,
+        encoded: Sequence[bytes | bytearray | memoryview],
+        *,
+        stream: None,
+        stats: StatsRecorder | None = None,
+        region_of: RegionOf | None = None,
+        pad: bool = False,
+    ) -> DecodedBatch:
+        self.calls.append((threading.current_thread().name, len(encoded)))
+        if len(self.calls) == 1:
+            self.first_entered.set()
+            assert self.gate.wait(10), "the test never opened the gate"
+        return self._inner.decode(encoded, stream=stream, stats=stats)
+
+
+@pytest.fixture
+def decoder() -> Iterator[RecordingDecoder]:
+    made = RecordingDecoder()
+    yield made
+    made.gate.set()  # never leave a thread blocked, whatever the test did
+
+
+@pytest.fixture
+def warming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Front ends warm up whatever they are built with (on a GPU, only the decoder they build)."""
+    original = _options.set_up
+
+    def set_up(*args: object, **kwargs: object) -> _options.Setup:
+        return dataclasses.replace(original(*args, **kwargs), warm_up=True)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "set_up", set_up)
+    monkeypatch.setattr(service, "set_up", set_up)
+
+
+def folder(tmp_path: Path, count: int = 6) -> Path:
+    root = tmp_path / "images" / "a"
+    root.mkdir(parents=True)
+    for i in range(count):
+        (root / f"{i}.jpg").write_bytes(encode(photo(32, 40, seed=i)))
+    return tmp_path / "images"
+
+
+def test_the_bundled_photos_are_jpegs_that_pillow_decodes() -> None:
+    samples = warmup_source()
+    names = sorted(
+        p.name for p in (resources.files("threadloader") / "_sample").iterdir() if p.name.endswith(".jpg")
+    )
+    assert len(samples) == len(names) >= 4
+    sizes = set()
+    for data, target in samples:
+        with Image.open(__import__("io").BytesIO(data)) as image:
+            assert image.format == "JPEG" and target == 0
+            image.load()
+            sizes.add(image.size)
+    assert len(sizes) > 1  # images of different sizes: the padded path, as a real first batch takes
+
+
+@pytest.mark.usefixtures("warming")
+def test_a_loader_warms_up_in_the_background_and_its_readers_wait_for_it(
+    tmp_path: Path, decoder: RecordingDecoder
+) -> None:
+    collated: list[list[object]] = []
+
+    def collate(targets: list[object]) -> list[object]:
+        collated.append(targets)
+        return targets
+
+    started = time.monotonic()
+    with ThreadLoader(
+        folder(tmp_path), batch_size=3, decoder=decoder, num_threads=2, collate_fn=collate
+    ) as built:
+        assert decoder.first_entered.wait(5)
+        assert time.monotonic() - started < 5  # built while the warm-up's decode is still blocked
+        assert decoder.calls == [("threadloader-warmup-0", len(warmup_source()))]
+        batches: list[object] = []
+        consumer = threading.Thread(target=lambda: batches.extend(built))
+        consumer.start()
+        time.sleep(0.3)
+        assert len(decoder.calls) == 1 and not batches  # the readers wait for the warm-up
+        decoder.gate.set()
+        consumer.join(10)
+        assert not consumer.is_alive()
+        assert len(batches) == 2
+        readers = {name for name, _ in decoder.calls[1:]}
+        assert readers and all(name.startswith("threadloader-e0") for name in readers)
+        stats = built.stats()
+        assert stats.samples == 6 and stats.batches == 2  # the warm-up's four are not the user's
+        assert collated == [[0, 0, 0], [0, 0, 0]]  # the user's collate_fn saw only the user's batches
+
+
+class EndlessDecoder(ImageDecoder):
+    """A decode that takes 10 s, checking between images whether its thread was asked to stop."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.entered = threading.Event()
+
+    def decode(self, encoded: Sequence[bytes], **_kwargs: object) -> DecodedBatch:  # type: ignore[override]
+        self.entered.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            check_cancelled()
+            time.sleep(0.01)
+        raise AssertionError("the warm-up was never cancelled")
+
+
+@pytest.mark.usefixtures("warming")
+@pytest.mark.parametrize("front_end", ["loader", "service"])
+def test_closing_a_front_end_stops_its_warm_up(tmp_path: Path, front_end: str) -> None:
+    endless = EndlessDecoder()
+    if front_end == "loader":
+        built: ThreadLoader | BatchDecoder = ThreadLoader(folder(tmp_path), batch_size=3, decoder=endless)
+    else:
+        built = BatchDecoder(decoder=endless, num_threads=1)
+    assert endless.entered.wait(5)
+    started = time.monotonic()
+    built.close()
+    while (
+        any(t.name == "threadloader-warmup-0" for t in threading.enumerate())
+        and time.monotonic() - started < 5
+    ):
+        time.sleep(0.01)
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.usefixtures("warming")
+def test_a_service_answers_its_first_request_after_its_warm_up(decoder: RecordingDecoder) -> None:
+    data = encode(photo(16, 24))
+    with BatchDecoder(decoder=decoder, num_threads=1, max_delay_ms=0) as served:
+        assert decoder.first_entered.wait(5)
+        future = served.submit(data)
+        time.sleep(0.2)
+        assert not future.done() and len(decoder.calls) == 1
+        decoder.gate.set()
+        image = future.result(10)
+    reference = np.asarray(Image.open(__import__("io").BytesIO(data)).convert("RGB"))
+    np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), reference)
+    assert served.stats().completed == 1
+
+
+def test_a_failed_warm_up_is_logged_and_the_readers_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(**_kwargs: object) -> object:
+        raise RuntimeError("no codec here")
+
+    with caplog.at_level("DEBUG", logger="threadloader"):
+        warmup = Warmup(broken, torch.device("cpu"))  # type: ignore[arg-type]
+        warmup.wait()
+    assert warmup.done
+    assert any("warm-up failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_reader_waiting_for_the_warm_up_stops_when_cancelled() -> None:
+    release = threading.Event()
+
+    class Blocked:
+        def produce(self, *_args: object, **_kwargs: object) -> None:
+            release.wait(10)
+
+    warmup = Warmup(lambda **_kwargs: Blocked(), torch.device("cpu"))  # type: ignore[arg-type,return-value]
+    flag = threading.Event()
+    outcome: list[str] = []
+
+    def reader() -> None:
+        bind_cancel(flag)
+        try:
+            warmup.wait()
+            outcome.append("returned")
+        except Cancelled:
+            outcome.append("cancelled")
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.1)
+    flag.set()
+    thread.join(5)
+    release.set()
+    warmup.wait()
+    assert outcome == ["cancelled"]
+
+
+def test_the_built_in_cpu_decoder_and_a_decoder_passed_in_are_not_warmed(
+    tmp_path: Path, decoder: RecordingDecoder
+) -> None:
+    decoder.gate.set()
+    for built in (
+        ThreadLoader(folder(tmp_path), batch_size=3, device="cpu"),
+        ThreadLoader(folder(tmp_path / "b"), batch_size=3, decoder=decoder),
+    ):
+        with built:
+            assert built._warmup is None
+            assert not any(t.name.startswith("threadloader-warmup") for t in threading.enumerate())
+            assert sum(len(images) for images, _ in built) == 6
+    assert all(not name.startswith("threadloader-warmup") for name, _ in decoder.calls)

@@ -1,0 +1,97 @@
+"""Warming a front end's pipeline up in the background, while its caller sets up the rest.
+
+On a GPU the first batch would pay for everything done once per process or per device: loading
+nvImageCodec and its self-test, making Decoders, the engines' first decode, the region check,
+compiling the resampling kernel (docs/benchmarks.md, "Memory and start-up"). A training script builds
+its loader and then its model, optimizer and compiled step; a server builds its decoder before it
+listens. So a front end starts a :class:`Warmup` when it is built: one batch of the photos bundled with
+the package goes through a producer like its own (the same decoder, transforms and output format, its
+own counters) in a thread of its own, and reader threads wait for it before their first batch instead
+of doing the same work at once beside it.
+
+Nothing here changes what the readers do: whatever the warm-up leaves undone or fails at (it logs and
+ends), the first batch does as it would have, and raises what it would have raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from importlib import resources
+
+import torch
+
+from ._cancel import check_cancelled
+from ._handoff import ReaderStream
+from ._pipeline import BatchProducer
+from ._stats import StatsRecorder
+from ._workers import POLL, ThreadGroup
+from .errors import SampleError
+
+__all__ = ["Warmup", "warmup_source"]
+
+logger = logging.getLogger("threadloader")
+
+
+def warmup_source() -> list[tuple[bytes, int]]:
+    """The photos bundled with the package (``threadloader/_sample``), as ``(bytes, target)`` samples.
+
+    Four JPEGs of different sizes, one with EXIF orientation: enough for every engine and pool a first
+    batch of photos uses, with regions for a random crop.
+    """
+    folder = resources.files("threadloader") / "_sample"
+    photos = sorted((e for e in folder.iterdir() if e.name.endswith(".jpg")), key=lambda e: e.name)
+    return [(photo.read_bytes(), 0) for photo in photos]
+
+
+class Warmup:
+    """Runs one batch of :func:`warmup_source` in a background thread, started at construction.
+
+    Args:
+        new_producer: Makes a producer like the front end's own, given the keyword arguments ``source``,
+            ``stats``, ``on_error``, ``on_skip`` and ``collate`` (the warm-up's: its own counters, bad
+            samples skipped quietly, the default collate rather than the user's).
+        device: Where it runs, on a stream of its own (a reader thread's may start meanwhile).
+    """
+
+    def __init__(self, new_producer: Callable[..., BatchProducer], device: torch.device) -> None:
+        self._done = threading.Event()
+        self._new_producer = new_producer
+        self._device = device
+        self._group = ThreadGroup(name="threadloader-warmup", count=1, target=self._run, wake=self._done.set)
+
+    def _run(self, _index: int) -> None:
+        try:
+            samples = warmup_source()
+            producer = self._new_producer(
+                source=samples, stats=StatsRecorder(), on_error="skip", on_skip=_ignore, collate=None
+            )
+            producer.produce([range(len(samples))], ReaderStream(self._device))
+        except Exception:  # the readers' first batch does the same and raises it to the consumer
+            logger.debug("threadloader: the background warm-up failed", exc_info=True)
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        """Whether the warm-up has ended (finished, failed or cancelled)."""
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Returns once the warm-up has ended; in a reader thread, raises ``Cancelled`` if it is cancelled.
+
+        Raises:
+            Cancelled: The calling reader thread was asked to stop meanwhile.
+        """
+        while not self._done.wait(POLL):
+            check_cancelled()
+        check_cancelled()
+
+    def cancel(self) -> None:
+        """Stops the warm-up at its next step (its owner was closed); does not wait."""
+        self._group.cancel()
+
+
+def _ignore(_error: SampleError) -> None:
+    """A warm-up sample that fails says nothing: the readers' first batch shows what is wrong."""
