@@ -96,6 +96,7 @@ class Report:
     hardware: dict[str, object]
     config: dict[str, object]
     rows: list[Result] = field(default_factory=list)
+    command: str = ""  # the command line that made it
 
     @property
     def training(self) -> bool:
@@ -188,7 +189,8 @@ def to_json(report: Report) -> str:
             | {"max": {m: s and s.high for m, s in spreads.items()}}
             | {"ratio_vs_pil": report.ratio(row), "repeats": [asdict(r) for r in row.repeats]}
         )
-    return json.dumps({"hardware": report.hardware, "config": report.config, "rows": rows}, indent=2)
+    dump = {"command": report.command, "hardware": report.hardware, "config": report.config, "rows": rows}
+    return json.dumps(dump, indent=2)
 
 
 def chart(report: Report, path: Path) -> None:

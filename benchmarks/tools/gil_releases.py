@@ -269,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gil_releases.md").write_text(text)
-        (args.out / "gil_releases.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        from benchmarks.run import command_line
+
+        dump = {"command": command_line("benchmarks.tools.gil_releases", argv), "rows": rows}
+        (args.out / "gil_releases.json").write_text(json.dumps(dump, indent=2) + "\n")
     return rows
 
 
