@@ -47,7 +47,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.datasets import SETS, ensure_dataset, list_images
 from threadloader import ThreadLoader
-from threadloader._device import available_cpus
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -145,7 +144,8 @@ def make_loader(
 ) -> ThreadLoader:
     """Shuffled, augmented, normalized batches of this rank's shard; targets are (label, index)."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    decode_threads = args.decode_threads or max(1, available_cpus() // local_ranks - (args.threads or 2))
+    cpus = len(os.sched_getaffinity(0))  # the cores this process may use, shared by the node's ranks
+    decode_threads = args.decode_threads or max(1, cpus // local_ranks - (args.threads or 2))
     return ThreadLoader(
         [(path, (label, index)) for index, (path, label) in enumerate(files)],
         batch_size=args.batch_size,

@@ -38,7 +38,7 @@ from PIL import Image
 
 from benchmarks import loaders
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
-from benchmarks.run import _names
+from benchmarks.run import _names, command_line, hardware
 
 SET = "varied"
 BACKGROUNDS = ("threadloader", "decode", "spin")
@@ -301,6 +301,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[GilRow]:
     """Measure, print the table, write it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.root = ensure_dataset(SET, count=args.count, root=args.data_root)
     started = time.perf_counter()
@@ -318,7 +319,12 @@ def main(argv: Sequence[str] | None = None) -> list[GilRow]:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gil.md").write_text(text)
-        dump = {"config": config, "rows": [asdict(r) | {"slowdown": r.slowdown} for r in rows]}
+        dump = {
+            "command": command_line("benchmarks.gil", argv),
+            "hardware": hardware(args.device),
+            "config": config,
+            "rows": [asdict(r) | {"slowdown": r.slowdown} for r in rows],
+        }
         (args.out / "gil.json").write_text(json.dumps(dump, indent=2) + "\n")
         print(f"wrote {args.out}/gil.md, gil.json", file=sys.stderr)
     return rows

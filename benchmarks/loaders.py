@@ -442,14 +442,16 @@ THREADLOADER_ROW_ARGUMENTS = frozenset(
 """ThreadLoader's arguments that the rows set themselves: what makes rows the same work, or differ."""
 
 
+CAPI_ENV = "THREADLOADER_CAPI"
+"""The documented switch between nvImageCodec's C API (``1``) and its Python API (``0``)."""
+
+
 @contextlib.contextmanager
 def with_engine(engine: str | None) -> Iterator[None]:
     """``THREADLOADER_CAPI`` set for ``engine`` while a loader is built (it is read then), then restored."""
     if engine is None:
         yield
         return
-    from threadloader.decode.nvimgcodec import CAPI_ENV
-
     previous = os.environ.get(CAPI_ENV)
     os.environ[CAPI_ENV] = "1" if engine == "capi" else "0"
     try:

@@ -24,9 +24,11 @@ import os
 import platform
 import re
 import resource
+import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -407,13 +409,19 @@ def hardware(device: str) -> dict[str, object]:
     return info | {
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "python": platform.python_version(),
+        "python": platform.python_version() + ("t" if sysconfig.get_config_var("Py_GIL_DISABLED") else ""),
+        "gil": sys._is_gil_enabled() if hasattr(sys, "_is_gil_enabled") else True,
         "torch": torch.__version__,
         "nvimgcodec": version("nvidia-nvimgcodec-cu12", "nvidia-nvimgcodec-cu13", "nvidia-nvimgcodec-cu11"),
         "torchvision": version("torchvision"),
         "pillow": PIL.__version__,
         "threadloader": getattr(sys.modules.get("threadloader"), "__version__", None),
     }
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The command that made a report, kept in its JSON so that docs can quote it."""
+    return shlex.join(["python", "-m", module, *argv])
 
 
 def _ints(text: str) -> list[int]:
@@ -575,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> Report | Row:
         path.read_bytes()
     rows = measure_rows(selected, args, argv)
     report = Report(
+        command=command_line("benchmarks.run", argv),
         hardware=hardware(args.device),  # after the rows: no CUDA context in this process while they run
         config={
             "mode": "training" if args.training else "throughput",

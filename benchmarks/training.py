@@ -41,7 +41,16 @@ import torch
 from benchmarks import loaders, timeline
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
-from benchmarks.run import DeviceMemory, _installed, _names, _release, _take, hardware, record_failure
+from benchmarks.run import (
+    DeviceMemory,
+    _installed,
+    _names,
+    _release,
+    _take,
+    command_line,
+    hardware,
+    record_failure,
+)
 from benchmarks.train_step import KINDS, Step, make_step, model_name
 
 PIPELINES = ("resize", "augment")
@@ -505,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "training.md").write_text(text)
         dump = {
+            "command": command_line("benchmarks.training", argv),
             "hardware": info,
             "config": config,
             "rows": [asdict(r) | {"ratio": ratio(r, rows)} for r in rows],

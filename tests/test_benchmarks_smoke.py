@@ -27,7 +27,7 @@ def test_quick_cpu_run_writes_reports(tmp_path: Path) -> None:
 
 def test_stage_profile_runs_and_reports_each_stage(tmp_path: Path) -> None:
     args = ["--set", "fixed", "--count", "32", "--augment", "--batches", "2"]
-    result = run_benchmark("benchmarks.stages", args, tmp_path)
+    result = run_benchmark("benchmarks.tools.stages", args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == [
@@ -96,7 +96,7 @@ def test_reader_cost_reports_each_stage_per_source(tmp_path: Path) -> None:
     pytest.importorskip("fsspec", reason="the memory:// row needs fsspec")
     out = tmp_path / "reader.json"
     args = ["--count", "64", "--epochs", "1", "--repeats", "1", "--batch-size", "16", "--out", str(out)]
-    result = run_benchmark("benchmarks.reader_cost", args, tmp_path)
+    result = run_benchmark("benchmarks.tools.reader_cost", args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"folder", "tar", "memory"}
@@ -111,10 +111,10 @@ def test_gil_releases_are_counted_per_stage(tmp_path: Path) -> None:
     import shutil
 
     if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("benchmarks.gil_releases builds its audit library with a C compiler")
+        pytest.skip("benchmarks.tools.gil_releases builds its audit library with a C compiler")
     out = tmp_path / "out"
     args = ["--quick", "--device", "cpu", "--pipelines", "fixed,varied", "--out", str(out)]
-    result = run_benchmark("benchmarks.gil_releases", args, tmp_path)
+    result = run_benchmark("benchmarks.tools.gil_releases", args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = json.loads((out / "gil_releases.json").read_text())["rows"]
     assert [row["pipeline"] for row in rows] == ["fixed", "varied"]

@@ -1,6 +1,6 @@
 """The reader threads' own Python per image, outside the decoder: CPU time per stage, per source.
 
-Usage: ``python -m benchmarks.reader_cost [--count 4096] [--epochs 4] [--repeats 3] [--out FILE]``.
+Usage: ``python -m benchmarks.tools.reader_cost [--count 4096] [--epochs 4] [--repeats 3] [--out FILE]``.
 
 Every row is a ThreadLoader on the CPU over the same small JPEGs, reached three ways: a folder of
 files (``ImageFolder``), one tar shard (``key.jpg`` + ``key.cls``) and fsspec ``memory://`` URLs. Its

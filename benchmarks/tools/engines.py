@@ -1,6 +1,6 @@
 """Decoder engines per device: one Decoder, one whose backends split each batch, two Decoders in two threads.
 
-Usage: ``python -m benchmarks.engines [--sets fixed,varied] [--count 2048] [--out FILE]``
+Usage: ``python -m benchmarks.tools.engines [--sets fixed,varied] [--count 2048] [--out FILE]``
 
 nvImageCodec alone on bytes already in memory (and, for the read rows, on files), whole images,
 batches of ``--batch`` images; every row decodes the same images once after a warm-up call and

@@ -1,6 +1,7 @@
 """GIL releases per loaded image, stage by stage in a reader thread: the hand-offs a training loop pays.
 
-Usage: ``python -m benchmarks.gil_releases [--pipelines fixed,varied,augment] [--device cpu] [--out DIR]``
+Usage: ``python -m benchmarks.tools.gil_releases [--pipelines fixed,varied,augment] [--device cpu]
+[--out DIR]``
 
 Each time a reader thread releases the GIL (around a torch op, an nvImageCodec call, a file read), a
 training loop waiting for it takes it, and the reader must later win it back: each release is a
@@ -8,7 +9,7 @@ possible hand-off, and a hand-off costs the loop a thread wake-up, whatever litt
 (``python -m benchmarks.gil`` measures that cost; docs/benchmarks.md). So the count of releases per
 image is what a change to the readers should bring down.
 
-Python keeps no such count. An LD_AUDIT library (``benchmarks/_gilaudit.c``, built with the system's C
+Python keeps no such count. An LD_AUDIT library (``benchmarks/tools/_gilaudit.c``, built with the system's C
 compiler on first use into the data cache) re-binds the calls extension modules make to
 ``PyEval_SaveThread`` to a counting wrapper. It sees torch's, nvImageCodec's, numpy's and Pillow's
 releases, not the interpreter's own (``os.read``, ``os.open``, lock waits): a file read adds about
@@ -69,8 +70,8 @@ def build_audit_library(cache: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError(
-            "benchmarks.gil_releases builds its LD_AUDIT library with a C compiler and found none "
-            "(no $CC, cc or gcc on PATH): install one, or build benchmarks/_gilaudit.c elsewhere with "
+            "benchmarks.tools.gil_releases builds its LD_AUDIT library with a C compiler and found none "
+            "(no $CC, cc or gcc on PATH): install one, or build benchmarks/tools/_gilaudit.c elsewhere with "
             "`cc -O2 -shared -fPIC` and pass it with --library"
         )
     cache.mkdir(parents=True, exist_ok=True)
@@ -220,7 +221,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from benchmarks.run import _names
 
     assert __doc__ is not None
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gil_releases", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.tools.gil_releases", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--pipelines", type=_names(PIPELINES), default=list(PIPELINES))
     p.add_argument(
         "--engines", type=_names(("capi", "python")), default=["capi", "python"],
@@ -256,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         with tempfile.TemporaryDirectory() as scratch:
             counter = Path(scratch) / "releases"
             env = os.environ | {"LD_AUDIT": str(library), "GILC_FILE": str(counter), _CHILD: "1"}
-            child = subprocess.run([sys.executable, "-m", "benchmarks.gil_releases", *argv], env=env)
+            child = subprocess.run([sys.executable, "-m", "benchmarks.tools.gil_releases", *argv], env=env)
         if child.returncode:
             raise SystemExit(child.returncode)
         return None
@@ -266,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gil_releases.md").write_text(text)
-        (args.out / "gil_releases.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        from benchmarks.run import command_line
+
+        dump = {"command": command_line("benchmarks.tools.gil_releases", argv), "rows": rows}
+        (args.out / "gil_releases.json").write_text(json.dumps(dump, indent=2) + "\n")
     return rows
 
 

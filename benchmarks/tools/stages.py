@@ -1,6 +1,6 @@
 """Where the time goes: a ThreadLoader's stage seconds, and raw region against whole-image decoding.
 
-CLI: ``python -m benchmarks.stages [--set varied] [--augment] [--threads 1,2] [--raw-decode]``.
+CLI: ``python -m benchmarks.tools.stages [--set varied] [--augment] [--threads 1,2] [--raw-decode]``.
 
 The loader rows print images/s and ``loader.stats()``'s host seconds per stage (summed over threads)
 over ``--batches`` batches after a warm-up. ``--raw-decode`` times nvImageCodec alone on preloaded

@@ -1,0 +1,63 @@
+"""docs/benchmarks.md and the README's figures are what docs/results/*.json make: they cannot drift."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+
+
+def test_the_committed_docs_are_what_the_committed_json_makes() -> None:
+    assert report.DOC.read_text() == report.page(), "run `python -m benchmarks.report` and commit"
+    assert report.README.read_text() == report.readme(report.README.read_text())
+    assert report.main(["--check"]) == 0
+
+
+def test_check_fails_on_a_number_edited_by_hand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(report.DOC.read_text().replace("| 17,365 |", "| 18,365 |", 1))
+    assert doc.read_text() != report.DOC.read_text()
+    monkeypatch.setattr(report, "DOC", doc)
+    assert report.main(["--check"]) == 1
+
+
+def test_every_section_says_when_it_has_no_results(tmp_path: Path) -> None:
+    text = report.page(tmp_path)
+    for pattern in ("throughput-*.json", "training*.json", "gil-delay*.json", "gil-releases*.json"):
+        assert f"No results yet (`docs/results/{pattern}`)." in text
+    assert "cpu-throughput*.json" in text and "cpu-training*.json" in text
+    assert "{{" not in text
+    assert "No training results yet" in report.training_summary(tmp_path)
+
+
+def test_training_files_stand_side_by_side_by_interpreter(tmp_path: Path) -> None:
+    shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
+    data = json.loads((tmp_path / "training.json").read_text())
+    data["hardware"] |= {"python": "3.13.5t", "gil": False}
+    (tmp_path / "training-3.13t.json").write_text(json.dumps(data))
+    table = report.training_table(report.load(tmp_path, "training*.json"))
+    assert (
+        "vs fixed input, Python 3.12.3 |" in table[0]
+        and "vs fixed input, Python 3.13.5t, GIL off |" in table[0]
+    )
+    summary = report.training_summary(tmp_path)
+    assert "| eager, Python 3.13.5t, GIL off |" in summary and "| eager, Python 3.12.3 |" in summary
+
+
+def test_startup_columns_follow_the_rows(tmp_path: Path) -> None:
+    data = json.loads((report.RESULTS / "throughput-fixed.json").read_text())
+    data["rows"][0] |= {"startup_after_pause_s": 0.25}
+    (tmp_path / "throughput-fixed.json").write_text(json.dumps(data))
+    text = "\n".join(report.memory(tmp_path, charts=False))
+    assert "| startup s | startup after pause s |" in text and "| 0.25 |" in text
+
+
+def test_the_pages_name_no_issues() -> None:
+    """Results are current, not a lab notebook: git's history keeps which run answered which issue."""
+    for path in (report.DOC, report.README, report.DOC.with_name("design.md")):
+        assert re.findall(r"\bissues?\b|#\d", path.read_text(), re.IGNORECASE) == [], path
