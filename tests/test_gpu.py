@@ -441,3 +441,34 @@ def test_pin_memory_pins_what_is_on_the_host(device: str) -> None:
             assert targets.is_pinned()
             seen += targets.tolist()
     assert seen == list(range(8))
+
+
+@pytest.mark.gpu
+def test_a_gpu_loader_is_built_at_once_and_warm_before_its_first_batch(image_folder: object) -> None:
+    """The constructor makes no Decoder; the background warm-up makes them and counts nothing of ours."""
+    from threadloader.decode import nvimgcodec as nv
+
+    threads = 5  # nvImageCodec CPU threads no other test uses: a pool of this test's own
+    key = ("capi", 0, "hybrid", threads)
+    before = nv.SHARED.made(key)
+    started = time.monotonic()
+    loader = ThreadLoader(
+        image_folder, batch_size=4, size=(32, 32), device="cuda", backend="hybrid", decode_threads=threads
+    )
+    built = time.monotonic() - started
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(
+            t.name.startswith("threadloader-warmup") for t in threading.enumerate()
+        ):
+            time.sleep(0.01)
+        assert nv.SHARED.made(key) > before  # the warm-up made this pool's Decoders
+        assert loader.stats().samples == 0  # and counted nothing of the loader's
+        assert built < 1.0, (
+            f"building took {built:.2f} s: the constructor should leave the work to the warm-up"
+        )
+        images = [image for batch, _ in loader for image in batch]
+        assert len(images) == 12 and all(image.is_cuda and image.shape == (3, 32, 32) for image in images)
+        assert loader.stats().samples == 12
+    finally:
+        loader.close()

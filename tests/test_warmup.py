@@ -69,7 +69,7 @@ def warming(monkeypatch: pytest.MonkeyPatch) -> None:
     original = _options.set_up
 
     def set_up(*args: object, **kwargs: object) -> _options.Setup:
-        return dataclasses.replace(original(*args, **kwargs), warm_up=True)  # type: ignore[arg-type]
+        return dataclasses.replace(original(*args, **kwargs), warm_up=1)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loader, "set_up", set_up)
     monkeypatch.setattr(service, "set_up", set_up)
@@ -114,7 +114,7 @@ def test_a_loader_warms_up_in_the_background_and_its_readers_wait_for_it(
     ) as built:
         assert decoder.first_entered.wait(5)
         assert time.monotonic() - started < 5  # built while the warm-up's decode is still blocked
-        assert decoder.calls == [("threadloader-warmup-0", len(warmup_source()))]
+        assert decoder.calls == [("threadloader-warmup-0", 4 * len(warmup_source()))]
         batches: list[object] = []
         consumer = threading.Thread(target=lambda: batches.extend(built))
         consumer.start()
@@ -234,3 +234,26 @@ def test_the_built_in_cpu_decoder_and_a_decoder_passed_in_are_not_warmed(
             assert not any(t.name.startswith("threadloader-warmup") for t in threading.enumerate())
             assert sum(len(images) for images, _ in built) == 6
     assert all(not name.startswith("threadloader-warmup") for name, _ in decoder.calls)
+
+
+def test_warm_up_batches_run_at_once_and_wait_returns_after_the_last() -> None:
+    """Each Decoder the readers lease at once is made and has decoded: one batch per thread, together."""
+    together = threading.Barrier(2, timeout=5)
+    finished: list[str] = []
+    release = threading.Event()
+
+    class Producer:
+        def produce(self, *_args: object, **_kwargs: object) -> None:
+            together.wait()  # both batches are in flight at the same time
+            if threading.current_thread().name.endswith("-1"):
+                assert release.wait(10)
+            finished.append(threading.current_thread().name)
+
+    warmup = Warmup(lambda **_kwargs: Producer(), torch.device("cpu"), threads=2)  # type: ignore[arg-type,return-value]
+    deadline = time.monotonic() + 5
+    while not finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert finished == ["threadloader-warmup-0"] and not warmup.done  # one of two ended: still warming
+    release.set()
+    warmup.wait()
+    assert sorted(finished) == ["threadloader-warmup-0", "threadloader-warmup-1"]

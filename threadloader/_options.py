@@ -17,7 +17,7 @@ import torch
 from ._device import default_decode_threads, default_num_threads, make_decoder, resolve_device
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
-from .decode.nvimgcodec import REGION_DECODE_ENV
+from .decode.nvimgcodec import DEFAULT_GPU_DECODERS, REGION_DECODE_ENV
 from .transforms import Compose, Transform
 
 __all__ = ["Setup", "as_transform", "region_decode_default", "set_up", "stacking_size"]
@@ -27,16 +27,17 @@ __all__ = ["Setup", "as_transform", "region_decode_default", "set_up", "stacking
 class Setup:
     """What a front end runs on: its device, reader threads, decoder and output format.
 
-    ``warm_up``: whether to start a :class:`~threadloader._warmup.Warmup`: for the GPU decoder built here,
-    whose first batch costs seconds; not for the CPU, nor for a decoder passed in (its first call is
-    its own business, and a test double's calls are counted).
+    ``warm_up``: the batches a :class:`~threadloader._warmup.Warmup` decodes at once (0: none): for the
+    GPU decoder built here, whose first batch costs seconds, as many as readers lease Decoders at
+    once; none for the CPU, nor for a decoder passed in (its first call is its own business, and a test
+    double's calls are counted).
     """
 
     device: torch.device
     num_threads: int
     decoder: ImageDecoder
     output: OutputFormat
-    warm_up: bool = False
+    warm_up: int = 0
 
 
 def region_decode_default() -> bool:
@@ -113,7 +114,8 @@ def set_up(
         max_pixels=max_pixels,
         region_decode=region_decode_default() if region_decode is None else region_decode,
     )
-    return Setup(resolved, threads, built, output, warm_up=resolved.type == "cuda")
+    warm = min(threads, gpu_decoders or DEFAULT_GPU_DECODERS) if resolved.type == "cuda" else 0
+    return Setup(resolved, threads, built, output, warm_up=warm)
 
 
 def _decoder_device(

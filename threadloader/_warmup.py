@@ -45,25 +45,38 @@ def warmup_source() -> list[tuple[bytes, int]]:
     return [(photo.read_bytes(), 0) for photo in photos]
 
 
+#: Copies of each bundled photo in a warm-up batch: a batch of some size, as the first real one.
+_COPIES = 4
+
+
 class Warmup:
-    """Runs one batch of :func:`warmup_source` in a background thread, started at construction.
+    """Runs batches of :func:`warmup_source` in background threads, started at construction.
 
     Args:
         new_producer: Makes a producer like the front end's own, given the keyword arguments ``source``,
             ``stats``, ``on_error``, ``on_skip`` and ``collate`` (the warm-up's: its own counters, bad
             samples skipped quietly, the default collate rather than the user's).
-        device: Where it runs, on a stream of its own (a reader thread's may start meanwhile).
+        device: Where it runs, each thread on a stream of its own (a reader's may start meanwhile).
+        threads: Batches decoded at once, one per thread: as many as the readers will decode at once,
+            so that each Decoder they will lease is made and has decoded (an engine initializes on its
+            first decode), not only the first.
     """
 
-    def __init__(self, new_producer: Callable[..., BatchProducer], device: torch.device) -> None:
+    def __init__(
+        self, new_producer: Callable[..., BatchProducer], device: torch.device, *, threads: int = 1
+    ) -> None:
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._running = threads
         self._new_producer = new_producer
         self._device = device
-        self._group = ThreadGroup(name="threadloader-warmup", count=1, target=self._run, wake=self._done.set)
+        self._group = ThreadGroup(
+            name="threadloader-warmup", count=threads, target=self._run, wake=self._done.set
+        )
 
     def _run(self, _index: int) -> None:
         try:
-            samples = warmup_source()
+            samples = warmup_source() * _COPIES
             producer = self._new_producer(
                 source=samples, stats=StatsRecorder(), on_error="skip", on_skip=_ignore, collate=None
             )
@@ -71,7 +84,10 @@ class Warmup:
         except Exception:  # the readers' first batch does the same and raises it to the consumer
             logger.debug("threadloader: the background warm-up failed", exc_info=True)
         finally:
-            self._done.set()
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    self._done.set()
 
     @property
     def done(self) -> bool:

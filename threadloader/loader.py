@@ -253,7 +253,9 @@ class ThreadLoader:
         )
         self._producer = self._new_producer(seed=seed)
         # Started before the readers' streams: it loads the decoder while the caller builds the rest.
-        self._warmup = Warmup(self._new_producer, self.device) if setup.warm_up else None
+        self._warmup = (
+            Warmup(self._new_producer, self.device, threads=setup.warm_up) if setup.warm_up else None
+        )
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict

@@ -196,6 +196,7 @@ class BatchDecoder:
             self._warmup = warmup = Warmup(
                 functools.partial(BatchProducer, decoder=setup.decoder, output=setup.output, transform=chain),
                 self.device,
+                threads=setup.warm_up,
             )
         engine = Engine(
             decoder=setup.decoder,
