@@ -14,13 +14,17 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+
+from threadloader._stats import StatsRecorder
+from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
+from threadloader.decode.base import RegionOf
 
 if not torch.cuda.is_available():
     # Triton's kernels (transforms/_kernels.py) then run in its interpreter, on CPU tensors, where a
@@ -235,6 +239,33 @@ def no_leaked_threads() -> Iterator[None]:
         gc.collect()
     leaked = wait_for_no_reader_threads(timeout=2.0)
     assert not leaked, f"reader threads still alive after the test: {[t.name for t in leaked]}"
+
+
+class GatedDecoder(ImageDecoder):
+    """Pillow behind a gate: a call blocks until the test opens it, so the queue's state is known."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.sizes: list[int] = []
+        self.threads: list[str] = []  # the thread of each call
+        self._inner = PillowDecoder()
+
+    def decode(
+        self,
+        encoded: Sequence[bytes | bytearray | memoryview],
+        *,
+        stream: None,
+        stats: StatsRecorder | None = None,
+        region_of: RegionOf | None = None,
+        pad: bool = False,
+    ) -> DecodedBatch:
+        self.sizes.append(len(encoded))
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return self._inner.decode(encoded, stream=stream, stats=stats)
 
 
 def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +22,18 @@ import torch
 import torch.nn.functional as F
 
 from threadloader import BatchDecoder, LoaderClosedError, SampleError, ThreadLoaderError
-from threadloader._stats import StatsRecorder
-from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
-from threadloader.decode.base import RegionOf
+from threadloader.decode import PillowDecoder
 from threadloader.service import QueueFullError
 
-from .conftest import encode, gpu_mismatch, header_only_png, photo, pil_reference, reader_threads
+from .conftest import (
+    GatedDecoder,
+    encode,
+    gpu_mismatch,
+    header_only_png,
+    photo,
+    pil_reference,
+    reader_threads,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 N = 48
@@ -46,31 +52,6 @@ def refs(blobs: list[bytes]) -> list[np.ndarray]:
 
 def assert_image(image: torch.Tensor, ref: np.ndarray) -> None:
     np.testing.assert_array_equal(image.permute(1, 2, 0).numpy(), ref)
-
-
-class GatedDecoder(ImageDecoder):
-    """Pillow behind a gate: a call blocks until the test opens it, so the queue's state is known."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.sizes: list[int] = []
-        self._inner = PillowDecoder()
-
-    def decode(
-        self,
-        encoded: Sequence[bytes | bytearray | memoryview],
-        *,
-        stream: None,
-        stats: StatsRecorder | None = None,
-        region_of: RegionOf | None = None,
-        pad: bool = False,
-    ) -> DecodedBatch:
-        self.sizes.append(len(encoded))
-        self.entered.set()
-        assert self.gate.wait(10), "the test never opened the gate"
-        return self._inner.decode(encoded, stream=stream, stats=stats)
 
 
 @pytest.fixture

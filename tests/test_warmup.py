@@ -22,43 +22,15 @@ from PIL import Image
 
 from threadloader import BatchDecoder, ThreadLoader, _options, loader, service
 from threadloader._cancel import Cancelled, bind_cancel, check_cancelled
-from threadloader._stats import StatsRecorder
 from threadloader._warmup import Warmup, warmup_source
-from threadloader.decode.base import DecodedBatch, ImageDecoder, RegionOf
-from threadloader.decode.pillow import PillowDecoder
+from threadloader.decode.base import DecodedBatch, ImageDecoder
 
-from .conftest import encode, photo
-
-
-class RecordingDecoder(ImageDecoder):
-    """Pillow, recording each call's thread and size; the first call blocks until ``gate`` opens."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.gate = threading.Event()
-        self.calls: list[tuple[str, int]] = []
-        self.first_entered = threading.Event()
-        self._inner = PillowDecoder()
-
-    def decode(
-        self,
-        encoded: Sequence[bytes | bytearray | memoryview],
-        *,
-        stream: None,
-        stats: StatsRecorder | None = None,
-        region_of: RegionOf | None = None,
-        pad: bool = False,
-    ) -> DecodedBatch:
-        self.calls.append((threading.current_thread().name, len(encoded)))
-        if len(self.calls) == 1:
-            self.first_entered.set()
-            assert self.gate.wait(10), "the test never opened the gate"
-        return self._inner.decode(encoded, stream=stream, stats=stats)
+from .conftest import GatedDecoder, encode, photo
 
 
 @pytest.fixture
-def decoder() -> Iterator[RecordingDecoder]:
-    made = RecordingDecoder()
+def decoder() -> Iterator[GatedDecoder]:
+    made = GatedDecoder()
     yield made
     made.gate.set()  # never leave a thread blocked, whatever the test did
 
@@ -100,7 +72,7 @@ def test_the_bundled_photos_are_jpegs_that_pillow_decodes() -> None:
 
 @pytest.mark.usefixtures("warming")
 def test_a_loader_warms_up_in_the_background_and_its_readers_wait_for_it(
-    tmp_path: Path, decoder: RecordingDecoder
+    tmp_path: Path, decoder: GatedDecoder
 ) -> None:
     collated: list[list[object]] = []
 
@@ -112,19 +84,19 @@ def test_a_loader_warms_up_in_the_background_and_its_readers_wait_for_it(
     with ThreadLoader(
         folder(tmp_path), batch_size=3, decoder=decoder, num_threads=2, collate_fn=collate
     ) as built:
-        assert decoder.first_entered.wait(5)
+        assert decoder.entered.wait(5)
         assert time.monotonic() - started < 5  # built while the warm-up's decode is still blocked
-        assert decoder.calls == [("threadloader-warmup-0", 4 * len(warmup_source()))]
+        assert decoder.threads == ["threadloader-warmup-0"] and decoder.sizes == [4 * len(warmup_source())]
         batches: list[object] = []
         consumer = threading.Thread(target=lambda: batches.extend(built))
         consumer.start()
         time.sleep(0.3)
-        assert len(decoder.calls) == 1 and not batches  # the readers wait for the warm-up
+        assert len(decoder.sizes) == 1 and not batches  # the readers wait for the warm-up
         decoder.gate.set()
         consumer.join(10)
         assert not consumer.is_alive()
         assert len(batches) == 2
-        readers = {name for name, _ in decoder.calls[1:]}
+        readers = set(decoder.threads[1:])
         assert readers and all(name.startswith("threadloader-e0") for name in readers)
         stats = built.stats()
         assert stats.samples == 6 and stats.batches == 2  # the warm-up's four are not the user's
@@ -167,13 +139,13 @@ def test_closing_a_front_end_stops_its_warm_up(tmp_path: Path, front_end: str) -
 
 
 @pytest.mark.usefixtures("warming")
-def test_a_service_answers_its_first_request_after_its_warm_up(decoder: RecordingDecoder) -> None:
+def test_a_service_answers_its_first_request_after_its_warm_up(decoder: GatedDecoder) -> None:
     data = encode(photo(16, 24))
     with BatchDecoder(decoder=decoder, num_threads=1, max_delay_ms=0) as served:
-        assert decoder.first_entered.wait(5)
+        assert decoder.entered.wait(5)
         future = served.submit(data)
         time.sleep(0.2)
-        assert not future.done() and len(decoder.calls) == 1
+        assert not future.done() and len(decoder.sizes) == 1
         decoder.gate.set()
         image = future.result(10)
     reference = np.asarray(Image.open(__import__("io").BytesIO(data)).convert("RGB"))
@@ -222,7 +194,7 @@ def test_a_reader_waiting_for_the_warm_up_stops_when_cancelled() -> None:
 
 
 def test_the_built_in_cpu_decoder_and_a_decoder_passed_in_are_not_warmed(
-    tmp_path: Path, decoder: RecordingDecoder
+    tmp_path: Path, decoder: GatedDecoder
 ) -> None:
     decoder.gate.set()
     for built in (
@@ -233,7 +205,7 @@ def test_the_built_in_cpu_decoder_and_a_decoder_passed_in_are_not_warmed(
             assert built._warmup is None
             assert not any(t.name.startswith("threadloader-warmup") for t in threading.enumerate())
             assert sum(len(images) for images, _ in built) == 6
-    assert all(not name.startswith("threadloader-warmup") for name, _ in decoder.calls)
+    assert not any(name.startswith("threadloader-warmup") for name in decoder.threads)
 
 
 def test_warm_up_batches_run_at_once_and_wait_returns_after_the_last() -> None:
