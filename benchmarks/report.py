@@ -352,15 +352,26 @@ def note(row: Json) -> str:
     return row.get("reason", "") if row.get("status", "ok") == "ok" else f"{row['status']}: {row['reason']}"
 
 
+#: Start-up measures other than ``startup*`` ones, in this order after them: building the loader, and its
+#: first batch after the pause that ``benchmarks.training`` puts between the two, as a script's set-up.
+_STARTUP_PARTS = ("build_s", "first_batch_s")
+
+
 def startup_measures(rows: list[Json]) -> list[str]:
-    """The start-up measures the rows have: ``startup_s`` first, then any other ``startup*`` one."""
+    """The start-up measures the rows have: ``startup_s``, any other ``startup*`` one, then the parts."""
     keys = {
-        k for row in rows for k, v in row.items() if k.startswith("startup") and isinstance(v, int | float)
+        k
+        for row in rows
+        for k, v in row.items()
+        if (k.startswith("startup") or k in _STARTUP_PARTS) and isinstance(v, int | float)
     }
-    return sorted(keys, key=lambda k: (k != "startup_s", k))
+    order = {part: i for i, part in enumerate(_STARTUP_PARTS, start=1)}
+    return sorted(keys, key=lambda k: (k != "startup_s", order.get(k, 0), k))
 
 
 def _startup_label(measure: str) -> str:
+    if measure == "first_batch_s":
+        return "first batch s, after the pause"
     return measure.removesuffix("_s").replace("_", " ") + " s"
 
 
@@ -638,7 +649,7 @@ def memory(results: Path, charts: bool) -> list[str]:
                 *training_key(r),
                 *(number(r.get(m), ",.0f") for m in ("extra_device_mb", "extra_torch_peak_mb")),
             ]
-            + [number(r.get(s), ".1f") for s in starts]
+            + [number(r.get(s), ".2f") for s in starts]
             for result, label in zip(trainings, labels(trainings), strict=True)
             for r in result.rows
             if r["spec"]["loader"] != "fixed_input" and r["status"] == "ok"

@@ -124,3 +124,10 @@ def test_gil_releases_are_counted_per_stage(tmp_path: Path) -> None:
         assert row["stages"]["decode, in all"] > 0 and row["stages"]["transform + format"] > 0, row
         assert row["stages"]["reader, in all"] >= row["stages"]["transform + format"], row
     assert "| **whole process** |" in (out / "gil_releases.md").read_text()
+
+
+def test_startup_phases_says_it_needs_a_gpu(tmp_path: Path) -> None:
+    """The start-up instrument measures the GPU path only, and says so on a machine without one."""
+    result = run_benchmark("benchmarks.tools.startup_phases", [], tmp_path)
+    assert result.returncode == 1
+    assert "needs a CUDA device" in result.stderr
