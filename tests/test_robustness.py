@@ -125,6 +125,46 @@ def test_dataset_exception_is_a_sample_error() -> None:
     assert isinstance(caught.value.__cause__, ZeroDivisionError) and caught.value.stage == "fetch"
 
 
+def _pillows_exception(data: bytes) -> BaseException:
+    """What Pillow itself raises when asked for the pixels of ``data``: the independent reference."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.convert("RGB").load()
+    except Exception as exc:
+        return exc
+    raise AssertionError("Pillow decoded it")
+
+
+def test_a_decode_failure_chains_the_decoders_exception() -> None:
+    """A sample no decoder can decode is a SampleError whose __cause__ is the exception it failed with."""
+    bad = b"\xff\xd8\xff\xe0 not really a jpeg" * 4
+    reference = _pillows_exception(bad)
+    loader = ThreadLoader([(GOOD[0], 0), (bad, 1)], batch_size=2, device="cpu")
+    with loader, pytest.raises(SampleError) as caught:
+        list(loader)
+    error = caught.value
+    assert error.stage == "decode" and error.index == 1
+    assert isinstance(error.__cause__, type(reference))  # Pillow's kind of error, from Pillow's own answer
+    assert str(error.__cause__) in error.reason
+
+
+def test_the_gpu_decoders_pillow_fallback_keeps_pillows_exception() -> None:
+    """On the GPU path a sample nvImageCodec gives up on goes to Pillow; if Pillow fails too, its
+    exception is the cause (nvImageCodec reports a status, not an exception). Runs without a GPU: the
+    fallback touches no device memory for a sample Pillow cannot decode."""
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder, _Outputs
+
+    bad = b"GIF89a truncated"
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=1)
+    causes: dict[int, BaseException] = {}
+    errors = decoder._decode_on_cpu(
+        [bad], {0: "nvImageCodec gave up"}, _Outputs(), _Outputs(), [None], set(), {}, StatsRecorder(), causes
+    )
+    reference = _pillows_exception(bad)
+    assert errors[0].startswith("nvImageCodec gave up; Pillow: ")
+    assert isinstance(causes[0], type(reference)) and str(causes[0]) in errors[0]
+
+
 def test_interpreter_exit_with_a_loader_open(tmp_path: Path) -> None:
     """A script that leaves a loader mid-epoch exits promptly, cleanly and silently."""
     result = exit_with_a_loader_open(tmp_path, "cpu")

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import PIL
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,6 +261,8 @@ def test_bad_image_fails_only_its_own_future(
     for future, reason in ((futures[1], "cannot identify image"), (futures[3], "truncated")):
         error = future.exception()
         assert isinstance(error, SampleError) and error.stage == "decode" and reason in error.reason.lower()
+    # The decoder's own exception is chained: Pillow's kind of error for bytes it cannot identify.
+    assert isinstance(futures[1].exception().__cause__, PIL.UnidentifiedImageError)  # type: ignore[union-attr]
     assert futures[1].exception().index == 2  # type: ignore[union-attr]  # its submission number
     assert (stats.completed, stats.failed) == (4, 2)
 

@@ -246,22 +246,29 @@ class _Group:
 
     def errors(self, decoded: DecodedBatch | None) -> list[list[SampleError]]:
         """Each batch's errors in its samples' order, those of reading and those of decoding."""
-        failed = {} if decoded is None else decoded.errors
+        if decoded is None:
+            return [
+                [sample for sample in samples if isinstance(sample, SampleError)] for samples in self.batches
+            ]
         return [
             [
-                sample
-                if isinstance(sample, SampleError)
-                else SampleError(
-                    index=self.refs[sample][0],
-                    origin=origin_of(self.refs[sample][1]),
-                    stage="decode",
-                    reason=failed[sample],
-                )
+                sample if isinstance(sample, SampleError) else self._decode_error(sample, decoded)
                 for sample in samples
-                if isinstance(sample, SampleError) or sample in failed
+                if isinstance(sample, SampleError) or sample in decoded.errors
             ]
             for samples in self.batches
         ]
+
+    def _decode_error(self, position: int, decoded: DecodedBatch) -> SampleError:
+        """The error of a sample the decoder failed, its exception chained where the decoder kept one."""
+        error = SampleError(
+            index=self.refs[position][0],
+            origin=origin_of(self.refs[position][1]),
+            stage="decode",
+            reason=decoded.errors[position],
+        )
+        error.__cause__ = decoded.causes.get(position)
+        return error
 
 
 class _Plans:

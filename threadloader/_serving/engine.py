@@ -111,7 +111,9 @@ def _request_error(request: Request, error: SampleError | None) -> SampleError:
     origin = f"request {request.number}, {len(request.data)} bytes"
     reason = error.reason if error is not None else "the decoder rejected it"
     stage = error.stage if error is not None else "decode"
-    return SampleError(index=request.number, origin=origin, stage=stage, reason=reason)
+    renamed = SampleError(index=request.number, origin=origin, stage=stage, reason=reason)
+    renamed.__cause__ = error.__cause__ if error is not None else None
+    return renamed
 
 
 def serve(queue: RequestQueue, engine: Engine, readers: list[ReaderStream], index: int) -> None:

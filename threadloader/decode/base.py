@@ -60,6 +60,8 @@ class DecodedBatch:
         own: Position to its own ``(H, W, 3)`` tensor, for images that decoded outside ``batch``.
         regions: Positions decoded as the region ``region_of`` asked for, not as the whole image
             (``threadloader._regions`` has that contract).
+        causes: Position to the exception behind its error, where there is one (a decoder library's
+            status code is not): the pipeline chains it as the ``SampleError``'s ``__cause__``.
     """
 
     extents: list[tuple[int, int] | None]
@@ -68,10 +70,14 @@ class DecodedBatch:
     rows: set[int] = field(default_factory=set)
     own: dict[int, torch.Tensor] = field(default_factory=dict)
     regions: set[int] = field(default_factory=set)
+    causes: dict[int, BaseException] = field(default_factory=dict)
 
     @classmethod
     def of_images(
-        cls, images: Sequence[torch.Tensor | None], errors: dict[int, str] | None = None
+        cls,
+        images: Sequence[torch.Tensor | None],
+        errors: dict[int, str] | None = None,
+        causes: dict[int, BaseException] | None = None,
     ) -> DecodedBatch:
         """The output of a decoder that decodes image by image: each image its own tensor."""
         return cls(
@@ -80,6 +86,7 @@ class DecodedBatch:
             ],
             errors=dict(errors or {}),
             own={p: image for p, image in enumerate(images) if image is not None},
+            causes=dict(causes or {}),
         )
 
     def image(self, position: int) -> torch.Tensor | None:

@@ -419,10 +419,11 @@ class NvImageCodecDecoder(ImageDecoder):
             self._regions_failed(sum(extents[p] is not None for p in failed), len(regions))
             regions.difference_update(failed)
         errors = dict(parsed.errors)
+        causes: dict[int, BaseException] = {}
         if reasons:
             with stats.timed("fallback"):
                 errors.update(
-                    self._decode_on_cpu(encoded, reasons, outputs, wholes, extents, rows, own, stats)
+                    self._decode_on_cpu(encoded, reasons, outputs, wholes, extents, rows, own, stats, causes)
                 )
             regions.difference_update(reasons)  # Pillow decodes the whole image: the caller crops it
         if regions:
@@ -434,6 +435,7 @@ class NvImageCodecDecoder(ImageDecoder):
             rows=rows,
             own=own,
             regions=regions,
+            causes=causes,
         )
 
     def _parse(self, encoded: Sequence[Encoded], region_of: RegionOf | None) -> _Parsed:
@@ -596,11 +598,12 @@ class NvImageCodecDecoder(ImageDecoder):
         rows: set[int],
         own: dict[int, torch.Tensor],
         stats: StatsRecorder,
+        causes: dict[int, BaseException],
     ) -> dict[int, str]:
         """Decodes the samples the GPU gave up on with Pillow, uploading into their memory where it fits.
 
         Fills ``extents``, ``rows`` and ``own`` for those Pillow decoded; returns the errors of those
-        it could not.
+        it could not, and puts Pillow's exception for each in ``causes`` (nvImageCodec gives a status).
         """
         errors: dict[int, str] = {}
         for position, reason in reasons.items():
@@ -608,6 +611,7 @@ class NvImageCodecDecoder(ImageDecoder):
                 pixels = torch.from_numpy(decode_rgb(encoded[position], max_pixels=self._max_pixels))
             except Exception as exc:
                 errors[position] = f"{reason}; Pillow: {type(exc).__name__}: {exc}"
+                causes[position] = exc
                 continue
             extent = (int(pixels.shape[0]), int(pixels.shape[1]))
             extents[position] = extent

@@ -141,6 +141,7 @@ class PillowDecoder(ImageDecoder):
         """Decodes each whole image with Pillow; see :meth:`ImageDecoder.decode` (regions, padding unused)."""
         images: list[torch.Tensor | None] = []
         errors: dict[int, str] = {}
+        causes: dict[int, BaseException] = {}
         with (stats or StatsRecorder()).timed("decode"):
             for position, data in enumerate(encoded):
                 check_cancelled()  # large images make a long batch: stop between them
@@ -149,4 +150,5 @@ class PillowDecoder(ImageDecoder):
                 except Exception as exc:
                     images.append(None)
                     errors[position] = f"{type(exc).__name__}: {exc}"
-        return DecodedBatch.of_images(images, errors)
+                    causes[position] = exc
+        return DecodedBatch.of_images(images, errors, causes)
