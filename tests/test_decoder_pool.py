@@ -178,3 +178,56 @@ def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
         caller.join(10)
     assert answers == ["python"] * 4
     assert made == [("python", 0, "auto", 3)]  # tried again after the failure; made once for four callers
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_backend_and_gpu_decoders_are_checked_once_with_the_same_words_on_every_device(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """One route per option: one check, whether the GPU decoder is built or Pillow stands in for it."""
+    import torch
+
+    from threadloader import _device
+    from threadloader.decode import nvimgcodec
+
+    calls: list[tuple[str, object]] = []
+    check = nvimgcodec.check_options
+
+    def counted(*, backend: str, gpu_decoders: object) -> None:
+        calls.append((backend, gpu_decoders))
+        check(backend=backend, gpu_decoders=gpu_decoders)
+
+    monkeypatch.setattr(nvimgcodec, "check_options", counted)
+    monkeypatch.setattr(_device, "check_options", counted)
+    where = torch.device(device)
+    _device.make_decoder(where, backend="auto", cpu_threads=1)  # the GPU decoder's constructor touches no GPU
+    assert calls == [("auto", 2)]
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', .*got 'nvjpeg'"):
+        _device.make_decoder(where, backend="nvjpeg", cpu_threads=1)
+    with pytest.raises(ValueError, match="gpu_decoders must be an int of at least 1, got 0"):
+        _device.make_decoder(where, backend="auto", cpu_threads=1, gpu_decoders=0)
+
+
+def test_every_type_in_the_decoder_plug_in_signature_is_public() -> None:
+    """A decoder of one's own needs no private module: what ImageDecoder.decode names is exported."""
+    import typing
+
+    import torch
+
+    from threadloader import decode
+
+    hints = typing.get_type_hints(decode.ImageDecoder.decode)
+    exported = [getattr(decode, name) for name in decode.__all__]
+
+    def leaves(hint: object) -> list[object]:
+        args = typing.get_args(hint)
+        return [leaf for arg in args for leaf in leaves(arg)] if args else [hint]
+
+    for name, hint in hints.items():
+        for leaf in leaves(hint):
+            module = getattr(leaf, "__module__", "builtins")
+            assert (
+                leaf in exported
+                or module in ("builtins", "torch.cuda.streams", "torch.cuda")
+                or (leaf is type(None) or leaf is torch.cuda.Stream)
+            ), f"{name}: {leaf!r} from {module} is not exported by threadloader.decode"

@@ -17,7 +17,7 @@ import torch
 
 from .decode import _capi
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
-from .decode.nvimgcodec import BACKENDS, DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_gpu_decoders
+from .decode.nvimgcodec import DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_options
 from .decode.pillow import PillowDecoder
 from .errors import CPUFallbackWarning
 
@@ -181,14 +181,12 @@ def make_decoder(
 ) -> ImageDecoder:
     """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU (which decodes whole images).
 
-    ``gpu_decoders`` is checked on every device, so a script that sets it fails the same way on a
-    machine without a GPU, and means nothing on the CPU.
+    ``backend`` and ``gpu_decoders`` are checked once, by :func:`check_options`: by the GPU decoder, or
+    here on the CPU, where they mean nothing but a script that sets them should fail as on a GPU.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    if gpu_decoders is not None:
-        check_gpu_decoders(gpu_decoders)
+    count = DEFAULT_GPU_DECODERS if gpu_decoders is None else gpu_decoders
     if device.type == "cpu":
+        check_options(backend=backend, gpu_decoders=count)
         if backend != "auto":
             raise ValueError(
                 f"backend={backend!r} selects an nvImageCodec backend; with device='cpu' Pillow decodes"
@@ -198,7 +196,7 @@ def make_decoder(
         device,
         backend=backend,
         cpu_threads=cpu_threads,
-        gpu_decoders=DEFAULT_GPU_DECODERS if gpu_decoders is None else gpu_decoders,
+        gpu_decoders=count,
         max_pixels=max_pixels,
         region_decode=region_decode,
     )

@@ -54,7 +54,7 @@ __all__ = [
     "SHARED",
     "DecoderRegistry",
     "NvImageCodecDecoder",
-    "check_gpu_decoders",
+    "check_options",
     "engine_named",
     "import_nvimgcodec",
     "new_decoder",
@@ -127,10 +127,16 @@ def new_decoder(engine: str, device_index: int, backend: str, cpu_threads: int) 
     return engine_named(engine).new_decoder(device_index, backend, cpu_threads)
 
 
-def check_gpu_decoders(count: object) -> None:
-    """Raises for a ``gpu_decoders`` that is not a positive int."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"gpu_decoders must be an int of at least 1, got {count!r}")
+def check_options(*, backend: str, gpu_decoders: object) -> None:
+    """Raises for a ``backend`` not in :data:`BACKENDS` or a ``gpu_decoders`` that is not a positive int.
+
+    The one check of both, for this decoder and for a front end on the CPU, where they select nothing
+    but a script that passes them should fail the same way it would on a GPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if isinstance(gpu_decoders, bool) or not isinstance(gpu_decoders, int) or gpu_decoders < 1:
+        raise ValueError(f"gpu_decoders must be an int of at least 1, got {gpu_decoders!r}")
 
 
 #: The registry every decoder of the library shares.
@@ -216,13 +222,11 @@ class NvImageCodecDecoder(ImageDecoder):
         engine: str | None = None,
         registry: DecoderRegistry = SHARED,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        check_options(backend=backend, gpu_decoders=gpu_decoders)
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"NvImageCodecDecoder needs an indexed CUDA device, got {device}")
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES} or None, got {engine!r}")
-        check_gpu_decoders(gpu_decoders)
         self.device = device
         self._backend = backend
         self._max_pixels = max_pixels
