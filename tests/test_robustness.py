@@ -6,6 +6,7 @@ import gc
 import io
 import logging
 import os
+import sys
 import threading
 import tracemalloc
 import warnings
@@ -123,6 +124,11 @@ def test_dataset_exception_is_a_sample_error() -> None:
     with loader, pytest.raises(SampleError, match="ZeroDivisionError: user bug") as caught:
         list(loader)
     assert isinstance(caught.value.__cause__, ZeroDivisionError) and caught.value.stage == "fetch"
+    # Kept without the reader's frames (they hold its group), its traceback kept as text.
+    assert caught.value.__cause__.__traceback__ is None
+    if sys.version_info >= (3, 11):
+        notes = "".join(caught.value.__cause__.__notes__)
+        assert "in __getitem__" in notes and 'raise ZeroDivisionError("user bug")' in notes
 
 
 def _pillows_exception(data: bytes) -> BaseException:
@@ -148,6 +154,24 @@ def test_a_decode_failure_chains_the_decoders_exception() -> None:
     assert str(error.__cause__) in error.reason
 
 
+def test_a_kept_cause_does_not_keep_its_batch_alive() -> None:
+    """An on_skip or a server may keep a sample's error, cause and all; that must not keep the rest of
+    its batch in memory, nor leave it to the garbage collector (a cycle through the traceback)."""
+    import weakref
+
+    bad = b"not an image at all"
+    gc.disable()
+    try:
+        decoded = PillowDecoder().decode([GOOD[0], bad], stream=None)
+        good = weakref.ref(decoded.own[0])
+        cause = decoded.causes[1]
+        del decoded
+        assert good() is None, "the good image outlived its batch: the cause's traceback holds it"
+    finally:
+        gc.enable()
+    assert isinstance(cause, Exception)
+
+
 def test_the_gpu_decoders_pillow_fallback_keeps_pillows_exception() -> None:
     """On the GPU path a sample nvImageCodec gives up on goes to Pillow; if Pillow fails too, its
     exception is the cause (nvImageCodec reports a status, not an exception). Runs without a GPU: the
@@ -163,6 +187,7 @@ def test_the_gpu_decoders_pillow_fallback_keeps_pillows_exception() -> None:
     reference = _pillows_exception(bad)
     assert errors[0].startswith("nvImageCodec gave up; Pillow: ")
     assert isinstance(causes[0], type(reference)) and str(causes[0]) in errors[0]
+    assert causes[0].__traceback__ is None  # its frames, and the batch's device memory they hold, released
 
 
 def test_interpreter_exit_with_a_loader_open(tmp_path: Path) -> None:

@@ -22,7 +22,9 @@ from PIL import Image
 
 from threadloader import BatchDecoder, ThreadLoader, _options, loader, service
 from threadloader._cancel import Cancelled, bind_cancel, check_cancelled
+from threadloader._handoff import ReaderStream
 from threadloader._warmup import Warmup, warmup_source
+from threadloader.decode import PillowDecoder
 from threadloader.decode.base import DecodedBatch, ImageDecoder
 
 from .conftest import GatedDecoder, encode, photo
@@ -158,7 +160,7 @@ def test_a_failed_warm_up_is_logged_and_the_readers_go_on(caplog: pytest.LogCapt
         raise RuntimeError("no codec here")
 
     with caplog.at_level("DEBUG", logger="threadloader"):
-        warmup = Warmup(broken, torch.device("cpu"))  # type: ignore[arg-type]
+        warmup = Warmup(broken, [ReaderStream(torch.device("cpu"))])  # type: ignore[arg-type]
         warmup.wait()
     assert warmup.done
     assert any("warm-up failed" in r.getMessage() and r.exc_info for r in caplog.records)
@@ -171,7 +173,7 @@ def test_a_reader_waiting_for_the_warm_up_stops_when_cancelled() -> None:
         def produce(self, *_args: object, **_kwargs: object) -> None:
             release.wait(10)
 
-    warmup = Warmup(lambda **_kwargs: Blocked(), torch.device("cpu"))  # type: ignore[arg-type,return-value]
+    warmup = Warmup(lambda **_kwargs: Blocked(), [ReaderStream(torch.device("cpu"))])  # type: ignore[arg-type,return-value]
     flag = threading.Event()
     outcome: list[str] = []
 
@@ -214,14 +216,18 @@ def test_warm_up_batches_run_at_once_and_wait_returns_after_the_last() -> None:
     finished: list[str] = []
     release = threading.Event()
 
+    readers = [ReaderStream(torch.device("cpu")) for _ in range(2)]
+    streams: list[ReaderStream] = []
+
     class Producer:
-        def produce(self, *_args: object, **_kwargs: object) -> None:
+        def produce(self, _batches: object, reader: ReaderStream, **_kwargs: object) -> None:
+            streams.append(reader)
             together.wait()  # both batches are in flight at the same time
             if threading.current_thread().name.endswith("-1"):
                 assert release.wait(10)
             finished.append(threading.current_thread().name)
 
-    warmup = Warmup(lambda **_kwargs: Producer(), torch.device("cpu"), threads=2)  # type: ignore[arg-type,return-value]
+    warmup = Warmup(lambda **_kwargs: Producer(), readers, threads=2)  # type: ignore[arg-type,return-value]
     deadline = time.monotonic() + 5
     while not finished and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -229,3 +235,36 @@ def test_warm_up_batches_run_at_once_and_wait_returns_after_the_last() -> None:
     release.set()
     warmup.wait()
     assert sorted(finished) == ["threadloader-warmup-0", "threadloader-warmup-1"]
+    assert sorted(map(id, streams)) == sorted(
+        map(id, readers)
+    )  # each on a reader's stream, not one of its own
+
+
+def test_the_environment_turns_the_warm_up_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """THREADLOADER_WARMUP=0: for a script that captures a CUDA graph while its loader would warm up."""
+    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
+    monkeypatch.setattr(_options, "make_decoder", lambda *_args, **_kwargs: PillowDecoder())
+
+    def warm(**env: str) -> int:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return _options.set_up(
+            None,
+            size=None,
+            dtype=torch.uint8,
+            mean=None,
+            std=None,
+            channels_last=False,
+            device="cuda",
+            num_threads=4,
+            backend="auto",
+            decode_threads=None,
+            gpu_decoders=None,
+            max_pixels=None,
+            region_decode=None,
+            decoder=None,
+        ).warm_up
+
+    monkeypatch.delenv(_options.WARMUP_ENV, raising=False)
+    assert warm() == 2  # one batch per Decoder the readers lease at once (the pool's default, 2)
+    assert warm(THREADLOADER_WARMUP="0") == 0

@@ -20,7 +20,7 @@ from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import DEFAULT_GPU_DECODERS, REGION_DECODE_ENV
 from .transforms import Compose, Transform
 
-__all__ = ["Setup", "as_transform", "region_decode_default", "set_up", "stacking_size"]
+__all__ = ["WARMUP_ENV", "Setup", "as_transform", "region_decode_default", "set_up", "stacking_size"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Setup:
     ``warm_up``: the batches a :class:`~threadloader._warmup.Warmup` decodes at once (0: none): for the
     GPU decoder built here, whose first batch costs seconds, as many as readers lease Decoders at
     once; none for the CPU, nor for a decoder passed in (its first call is its own business, and a test
-    double's calls are counted).
+    double's calls are counted), nor where ``THREADLOADER_WARMUP=0``.
     """
 
     device: torch.device
@@ -38,6 +38,12 @@ class Setup:
     decoder: ImageDecoder
     output: OutputFormat
     warm_up: int = 0
+
+
+#: Set to 0 to build front ends without the background warm-up (read when one is built): for a script
+#: that captures a CUDA graph in torch's default (global) mode while its loader would be warming up,
+#: where another thread's CUDA calls break the capture.
+WARMUP_ENV = "THREADLOADER_WARMUP"
 
 
 def region_decode_default() -> bool:
@@ -115,6 +121,8 @@ def set_up(
         region_decode=region_decode_default() if region_decode is None else region_decode,
     )
     warm = min(threads, gpu_decoders or DEFAULT_GPU_DECODERS) if resolved.type == "cuda" else 0
+    if os.environ.get(WARMUP_ENV, "1") == "0":
+        warm = 0
     return Setup(resolved, threads, built, output, warm_up=warm)
 
 

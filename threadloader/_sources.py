@@ -24,7 +24,7 @@ from ._cancel import check_cancelled
 from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import is_url, read_url, require_fsspec
 from ._tar import TarShards, is_shard_spec
-from .errors import SampleError
+from .errors import SampleError, detached
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -351,7 +351,7 @@ def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
 def _error(exc: Exception, index: int, origin: str, stage: str) -> SampleError:
     """The sample's error for ``exc``, chained to it as ``raise ... from exc`` would."""
     error = SampleError.from_exception(exc, index=index, origin=origin, stage=stage)
-    error.__cause__ = exc
+    error.__cause__ = detached(exc)  # without the reader's frames, which hold its whole group
     return error
 
 

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
-
-import torch
 
 from ._cancel import check_cancelled
 from ._handoff import ReaderStream
 from ._pipeline import BatchProducer
 from ._stats import StatsRecorder
-from ._workers import POLL, ThreadGroup
+from ._workers import JOIN_TIMEOUT, POLL, ThreadGroup
 from .errors import SampleError
 
 __all__ = ["Warmup", "warmup_source"]
@@ -56,31 +54,33 @@ class Warmup:
         new_producer: Makes a producer like the front end's own, given the keyword arguments ``source``,
             ``stats``, ``on_error``, ``on_skip`` and ``collate`` (the warm-up's: its own counters, bad
             samples skipped quietly, the default collate rather than the user's).
-        device: Where it runs, each thread on a stream of its own (a reader's may start meanwhile).
+        readers: The front end's reader streams, idle until the warm-up ends: thread ``i`` runs on
+            ``readers[i]``, so the memory it leaves in torch's cache (which keeps freed blocks for
+            the stream they were used on) is reused by that reader.
         threads: Batches decoded at once, one per thread: as many as the readers will decode at once,
             so that each Decoder they will lease is made and has decoded (an engine initializes on its
             first decode), not only the first.
     """
 
     def __init__(
-        self, new_producer: Callable[..., BatchProducer], device: torch.device, *, threads: int = 1
+        self, new_producer: Callable[..., BatchProducer], readers: Sequence[ReaderStream], *, threads: int = 1
     ) -> None:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._running = threads
         self._new_producer = new_producer
-        self._device = device
+        self._readers = list(readers)
         self._group = ThreadGroup(
             name="threadloader-warmup", count=threads, target=self._run, wake=self._done.set
         )
 
-    def _run(self, _index: int) -> None:
+    def _run(self, index: int) -> None:
         try:
             samples = warmup_source() * _COPIES
             producer = self._new_producer(
                 source=samples, stats=StatsRecorder(), on_error="skip", on_skip=_ignore, collate=None
             )
-            producer.produce([range(len(samples))], ReaderStream(self._device))
+            producer.produce([range(len(samples))], self._readers[index % len(self._readers)])
         except Exception:  # the readers' first batch does the same and raises it to the consumer
             logger.debug("threadloader: the background warm-up failed", exc_info=True)
         finally:
@@ -91,7 +91,7 @@ class Warmup:
 
     @property
     def done(self) -> bool:
-        """Whether the warm-up has ended (finished, failed or cancelled)."""
+        """Whether the warm-up has finished or failed, or was cancelled (its threads may still be ending)."""
         return self._done.is_set()
 
     def wait(self) -> None:
@@ -104,9 +104,14 @@ class Warmup:
             check_cancelled()
         check_cancelled()
 
-    def cancel(self) -> None:
-        """Stops the warm-up at its next step (its owner was closed); does not wait."""
+    def close(self) -> None:
+        """Stops the warm-up at its next step (its owner was closed), waiting up to ``JOIN_TIMEOUT``.
+
+        A step in nvImageCodec (loading it, making a Decoder) or a kernel's compilation is not
+        interrupted: the threads end after it, on their own, and interpreter exit waits for them.
+        """
         self._group.cancel()
+        self._group.join(JOIN_TIMEOUT)
 
 
 def _ignore(_error: SampleError) -> None:

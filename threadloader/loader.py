@@ -252,11 +252,11 @@ class ThreadLoader:
             collate=collate_fn,
         )
         self._producer = self._new_producer(seed=seed)
-        # Started before the readers' streams: it loads the decoder while the caller builds the rest.
-        self._warmup = (
-            Warmup(self._new_producer, self.device, threads=setup.warm_up) if setup.warm_up else None
-        )
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
+        # Loads the decoder, on the readers' streams, while the caller builds the rest.
+        self._warmup = (
+            Warmup(self._new_producer, self._readers, threads=setup.warm_up) if setup.warm_up else None
+        )
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
         self._progress: _Progress | None = None  # the latest iteration's
@@ -409,7 +409,7 @@ class ThreadLoader:
             self._closed = True
             iterators = self._iterators.live()
         if self._warmup is not None:
-            self._warmup.cancel()
+            self._warmup.close()
         for iterator in iterators:
             iterator.close(error=_closed_error)
 

@@ -191,11 +191,12 @@ class BatchDecoder:
         self._output = setup.output
         self._pipeline_stats = StatsRecorder()
         self._metrics = Metrics()
+        readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._warmup = warmup = None
         if setup.warm_up:  # the first request would pay seconds of start-up: spent while the caller sets up
             self._warmup = warmup = Warmup(
                 functools.partial(BatchProducer, decoder=setup.decoder, output=setup.output, transform=chain),
-                self.device,
+                readers,
                 threads=setup.warm_up,
             )
         engine = Engine(
@@ -207,7 +208,6 @@ class BatchDecoder:
             warmup=warmup,
         )
         self._queue = RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
-        readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         # The workers see the queue and the engine, never the service: dropping it runs its finalizer.
         # Interpreter exit cancels the group: queued requests are cancelled, batches being decoded stop
         # at their next step and fail their requests with LoaderClosedError.
@@ -311,7 +311,7 @@ class BatchDecoder:
         """
         self._queue.close(cancel_pending=cancel_pending)
         if self._warmup is not None:
-            self._warmup.cancel()
+            self._warmup.close()
         # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
         self._group.join(JOIN_TIMEOUT if cancel_pending else None)
 

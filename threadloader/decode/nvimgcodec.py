@@ -27,6 +27,7 @@ import torch
 from .._gil import Pacer
 from .._regions import Region
 from .._stats import StatsRecorder
+from ..errors import detached
 from . import _capi
 from ._engines import (
     BACKENDS,
@@ -252,6 +253,9 @@ class NvImageCodecDecoder(ImageDecoder):
         front end spends in the background (``threadloader._warmup``) while its caller sets up the
         rest. Later callers wait for the first; a call that raises leaves the next one to try again.
         """
+        prepared = self._prepared  # set once, under the lock, to an immutable tuple: safe to read without it
+        if prepared is not None:
+            return prepared
         with self._started:
             if self._prepared is None:
                 engine = self._choose_engine(self._wanted)
@@ -615,7 +619,7 @@ class NvImageCodecDecoder(ImageDecoder):
                 pixels = torch.from_numpy(decode_rgb(encoded[position], max_pixels=self._max_pixels))
             except Exception as exc:
                 errors[position] = f"{reason}; Pillow: {type(exc).__name__}: {exc}"
-                causes[position] = exc
+                causes[position] = detached(exc)  # its frames hold the whole batch
                 continue
             extent = (int(pixels.shape[0]), int(pixels.shape[1]))
             extents[position] = extent

@@ -19,6 +19,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .._cancel import check_cancelled
 from .._stats import StatsRecorder
+from ..errors import detached
 from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 
 __all__ = ["PillowDecoder", "decode_rgb", "header_size"]
@@ -150,5 +151,5 @@ class PillowDecoder(ImageDecoder):
                 except Exception as exc:
                     images.append(None)
                     errors[position] = f"{type(exc).__name__}: {exc}"
-                    causes[position] = exc
+                    causes[position] = detached(exc)  # its frames hold the whole batch
         return DecodedBatch.of_images(images, errors, causes)
