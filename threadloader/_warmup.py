@@ -4,10 +4,10 @@ On a GPU the first batch would pay for everything done once per process or per d
 nvImageCodec and its self-test, making Decoders, the engines' first decode, the region check,
 compiling the resampling kernel (docs/benchmarks.md, "Memory and start-up"). A training script builds
 its loader and then its model, optimizer and compiled step; a server builds its decoder before it
-listens. So a front end starts a :class:`Warmup` when it is built: one batch of the photos bundled with
-the package goes through a producer like its own (the same decoder, transforms and output format, its
-own counters) in a thread of its own, and reader threads wait for it before their first batch instead
-of doing the same work at once beside it.
+listens. So a front end starts a :class:`Warmup` when it is built: batches of the photos bundled with
+the package, one per Decoder the readers will lease at once, go through a producer like its own (the
+same decoder, transforms and output format, its own counters) in threads of their own, and reader
+threads wait for them before their first batch instead of doing the same work at once beside them.
 
 Nothing here changes what the readers do: whatever the warm-up leaves undone or fails at (it logs and
 ends), the first batch does as it would have, and raises what it would have raised.
@@ -35,8 +35,8 @@ logger = logging.getLogger("threadloader")
 def warmup_source() -> list[tuple[bytes, int]]:
     """The photos bundled with the package (``threadloader/_sample``), as ``(bytes, target)`` samples.
 
-    Four JPEGs of different sizes, one with EXIF orientation: enough for every engine and pool a first
-    batch of photos uses, with regions for a random crop.
+    Four JPEGs of four sizes: whole images of different sizes (the padded path), and regions for a
+    random crop, as a first batch of photos uses them.
     """
     folder = resources.files("threadloader") / "_sample"
     photos = sorted((e for e in folder.iterdir() if e.name.endswith(".jpg")), key=lambda e: e.name)
