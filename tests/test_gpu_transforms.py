@@ -153,7 +153,7 @@ def test_transforms_on_cuda_tensors_match_the_cpu() -> None:
 def test_batched_resampling_in_chunks_matches_each_image_resized_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Large batches are resampled in chunks of bounded memory, with the weights built once for all:
+    """Large batches are resampled in chunks of bounded memory, each chunk with its own weights:
     each image's rows must still get its own weights. The reference is torch's resize of each crop
     on the CPU (``resample_many``'s CPU path), in uint8 and in float."""
     sizes = ((40, 60), (90, 33), (75, 101), (64, 64), (33, 90))
@@ -161,13 +161,36 @@ def test_batched_resampling_in_chunks_matches_each_image_resized_alone(
     regions = [(0, 0, 40, 60), (10, 3, 50, 20), (5, 7, 60, 80), (0, 0, 64, 64), (3, 10, 30, 70)]
     expected = resample_many(others, regions, (24, 28))
     expected_float = resample_many(others, regions, (24, 28), dtype=torch.float32)
-    padded = 3 * 90 * 101  # one image of the padded size
+    padded = functional._elements_per_image(3, (90, 101), (24, 28))  # one image of the padded size
     for per_chunk in (1, 2, 5):
         monkeypatch.setattr(functional, "_RESAMPLE_ELEMENTS", per_chunk * padded)
         on_gpu = resample_many([o.cuda() for o in others], regions, (24, 28)).cpu()
         assert (on_gpu.int() - expected.int()).abs().max() <= 1, per_chunk
         as_float = resample_many([o.cuda() for o in others], regions, (24, 28), dtype=torch.float32).cpu()
         torch.testing.assert_close(as_float, expected_float, rtol=0, atol=1e-3, msg=str(per_chunk))
+
+
+def test_resampling_without_triton_holds_no_more_than_its_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Triton is missing (a free-threaded Python without its wheel) a batch of large photos of
+    different sizes is resampled by matrix products: their float copies, products and weights must not
+    cost more device memory than the result itself, however large the images. Reference: torch's
+    antialiased interpolate of each image."""
+    monkeypatch.setattr(functional._kernels, "resample", lambda *args, **kwargs: None)
+    sizes = [(512, 640), (300, 451), (400, 600), (427, 640)] * 4
+    images = [torch.from_numpy(photo(h, w, i)).permute(2, 0, 1).cuda() for i, (h, w) in enumerate(sizes)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = functional.resize_many(images, (256, 256), dtype=torch.float32)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    result = got.numel() * got.element_size()
+    assert peak <= 2 * result + 4 * functional._RESAMPLE_ELEMENTS * 4, (peak / 2**20, result / 2**20)
+    for image, row in zip(images, got, strict=True):
+        expected = torch.nn.functional.interpolate(
+            image.float()[None], size=(256, 256), mode="bilinear", antialias=True, align_corners=False
+        )
+        torch.testing.assert_close(row, expected[0], rtol=0, atol=1e-2)
 
 
 def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest.LogCaptureFixture) -> None:

@@ -159,15 +159,16 @@ def test_the_loader_gives_an_image_the_same_pixels_in_any_batch(dtype: torch.dty
 def test_the_gpu_resampling_kernel_in_chunks_is_each_crop_resized_alone(
     per_chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The GPU's batched kernel (matrix products, in chunks of bounded memory, weights built once for
-    all chunks), run here on the CPU as CI has no GPU: each image gets its own weights. Reference:
+    """The GPU's batched kernel (matrix products, in chunks of bounded memory, each with its own
+    weights), run here on the CPU as CI has no GPU: each image gets its own weights. Reference:
     torch's own antialiased interpolate of each crop, in float."""
     from threadloader.transforms import functional
 
     sizes = ((40, 60), (90, 33), (75, 101), (64, 64), (33, 90))
     images = [torch.from_numpy(photo(h, w, 20 + i)).permute(2, 0, 1) for i, (h, w) in enumerate(sizes)]
     regions = [(0, 0, 40, 60), (10, 3, 50, 20), (5, 7, 60, 80), (0, 0, 64, 64), (3, 10, 30, 70)]
-    monkeypatch.setattr(functional, "_RESAMPLE_ELEMENTS", per_chunk * 3 * 90 * 101)  # the padded size
+    per_image = functional._elements_per_image(3, (90, 101), (24, 28))  # at the padded size
+    monkeypatch.setattr(functional, "_RESAMPLE_ELEMENTS", per_chunk * per_image)
     got = functional._resample_batched(images, regions, sizes, (24, 28), True, torch.float32)
     for image, (top, left, height, width), row in zip(images, regions, got, strict=True):
         crop = image[:, top : top + height, left : left + width].float()[None]

@@ -353,7 +353,7 @@ class SlowAfterFirst(Dataset):
 def slow_loader(blobs: list[bytes]) -> tuple[ThreadLoader, SlowAfterFirst]:
     source = SlowAfterFirst(blobs)
     # Two threads, one batch each in flight: once the consumer has batch 0, both are in slow batches.
-    # One batch per group on every device (a GPU groups 128 images by default).
+    # One batch per group on every device (a GPU groups 64 images by default).
     loader = ThreadLoader(
         source, batch_size=SLOW_BATCH, decode_batch_size=SLOW_BATCH, num_threads=2, prefetch=1
     )

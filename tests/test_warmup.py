@@ -88,7 +88,7 @@ def test_a_loader_warms_up_in_the_background_and_its_readers_wait_for_it(
     ) as built:
         assert decoder.entered.wait(5)
         assert time.monotonic() - started < 5  # built while the warm-up's decode is still blocked
-        assert decoder.threads == ["threadloader-warmup-0"] and decoder.sizes == [4 * len(warmup_source())]
+        assert decoder.threads == ["threadloader-warmup-0"] and decoder.sizes == [len(warmup_source())]
         batches: list[object] = []
         consumer = threading.Thread(target=lambda: batches.extend(built))
         consumer.start()

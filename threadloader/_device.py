@@ -53,11 +53,13 @@ def default_num_threads(device: torch.device) -> int:
 
 
 def default_decode_batch_size(device: torch.device, batch_size: int) -> int:
-    """Images per decoder call: 128 on the GPU (or one batch, if larger), one output batch on the CPU.
+    """Images per decoder call: 64 on the GPU (or one batch, if larger), one output batch on the CPU.
 
-    The GPU decoder is faster per image on large batches, up to about 128 (docs/benchmarks.md).
+    The GPU decoder is faster per image on larger calls (docs/benchmarks.md), but a group's decoded
+    images and outputs are all in device memory at once: 128 at a time doubled the loader's memory
+    and did not feed a training step any faster than 64.
     """
-    return max(128, batch_size) if device.type == "cuda" else batch_size
+    return max(64, batch_size) if device.type == "cuda" else batch_size
 
 
 def default_decode_threads(num_threads: int) -> int:

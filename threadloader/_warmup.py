@@ -43,8 +43,9 @@ def warmup_source() -> list[tuple[bytes, int]]:
     return [(photo.read_bytes(), 0) for photo in photos]
 
 
-#: Copies of each bundled photo in a warm-up batch: a batch of some size, as the first real one.
-_COPIES = 4
+#: Copies of each bundled photo in a warm-up batch. One of each is enough to make and run each Decoder
+#: and compile the kernels; each copy costs device memory while every warm-up thread runs at once.
+_COPIES = 1
 
 
 class Warmup:

@@ -87,9 +87,10 @@ def _channel_constant(values: tuple[float, ...], device: torch.device, dtype: to
     return torch.tensor(values, dtype=dtype, device=device).view(-1, 1, 1)
 
 
-#: Most float elements one :func:`resample_many` step works on at once (128 MiB of float32), to bound
-#: the memory of padding a batch of large, different-size images to one size.
-_RESAMPLE_ELEMENTS = 2**25
+#: Float elements (16 MiB of float32) that one step of the matrix products may hold at once, unless the
+#: batch's own result is larger: padding large images of different sizes to one, their float copies,
+#: products and weights then never take more than the result itself (the Triton kernel needs none).
+_RESAMPLE_ELEMENTS = 2**22
 
 
 def resample_many(
@@ -158,7 +159,9 @@ def _resample_batched(
 ) -> torch.Tensor:
     """:func:`resample_many` on the GPU: one Triton kernel, else matrix products in chunks of bounded memory.
 
-    Runs on any device; the CPU tests call it directly, as CI has no GPU.
+    A chunk builds its own weights: all of a large group's at once took more memory than its images
+    (twenty-odd small kernels per chunk are the price, on this path only). Runs on any device; the CPU
+    tests call it directly, as CI has no GPU.
     """
     if antialias and isinstance(images, torch.Tensor):
         fused = _kernels.resample(images, regions, size, dtype=dtype or images.dtype)
@@ -169,20 +172,37 @@ def _resample_batched(
     channels = images.shape[-3] if isinstance(images, torch.Tensor) else images[0].shape[-3]
     target = dtype or images[0].dtype
     compute = torch.float64 if torch.float64 in (images[0].dtype, target) else torch.float32
-    # The weights of every image at once: building them is some twenty small kernels, each a GIL round
-    # trip for the calling thread, so once per call rather than once per chunk.
     (out_h, out_w) = size
     spans = [(top, h, out_h) for top, _, h, _ in regions] + [(left, w, out_w) for _, left, _, w in regions]
-    on_device = to_device(torch.tensor(spans, dtype=compute), images[0].device)
-    weights = _filter_weights(on_device, max(out_h, out_w), max(height, width), antialias)
+    on_device = to_device(torch.tensor(spans, dtype=compute), images[0].device)  # one copy for all chunks
     count = len(images)
-    step = max(1, _RESAMPLE_ELEMENTS // (channels * height * width))
-    parts = []
+    budget = max(_RESAMPLE_ELEMENTS, count * channels * out_h * out_w)
+    step = max(1, budget // _elements_per_image(channels, (height, width), size))
+    out: torch.Tensor | None = None
     for start in range(0, count, step):
         end = min(start + step, count)
-        rows, columns = weights[start:end, :out_h], weights[count + start : count + end, :out_w]
-        parts.append(_resample(images[start:end], rows, columns, compute, target))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        chunk = torch.cat((on_device[start:end], on_device[count + start : count + end]))
+        weights = _filter_weights(chunk, max(out_h, out_w), max(height, width), antialias)
+        rows, columns = weights[: end - start, :out_h], weights[end - start :, :out_w]
+        part = _resample(images[start:end], rows, columns, compute, target)
+        if end - start == count:
+            return part
+        if out is None:  # each chunk written in place: no list of parts to concatenate at the end
+            out = torch.empty((count, *part.shape[1:]), dtype=target, device=part.device)
+        out[start:end] = part
+    assert out is not None
+    return out
+
+
+def _elements_per_image(channels: int, padded: tuple[int, int], size: tuple[int, int]) -> int:
+    """Float elements :func:`_resample` and :func:`_filter_weights` hold at once for one padded image.
+
+    Its float copy, the two products' results (one transposed copy), the output and its conversion,
+    and the row and column weights with the temporaries that build them (about four times their size).
+    """
+    (height, width), (out_h, out_w) = padded, size
+    pixels = height * width + 2 * out_h * width + 2 * out_h * out_w
+    return channels * pixels + 8 * max(out_h, out_w) * max(height, width)
 
 
 def _resample(
