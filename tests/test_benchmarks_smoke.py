@@ -131,3 +131,10 @@ def test_startup_phases_says_it_needs_a_gpu(tmp_path: Path) -> None:
     result = run_benchmark("benchmarks.tools.startup_phases", [], tmp_path)
     assert result.returncode == 1
     assert "needs a CUDA device" in result.stderr
+
+
+def test_stages_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:
+    """The stage-beside-a-step instrument feeds a GPU training step, and says so without a GPU."""
+    result = run_benchmark("benchmarks.tools.beside_step", ["--kind", "eager"], tmp_path)
+    assert result.returncode == 1
+    assert "needs a CUDA device" in result.stderr
