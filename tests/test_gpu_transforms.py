@@ -170,29 +170,6 @@ def test_batched_resampling_in_chunks_matches_each_image_resized_alone(
         torch.testing.assert_close(as_float, expected_float, rtol=0, atol=1e-3, msg=str(per_chunk))
 
 
-def test_resampling_without_triton_holds_no_more_than_its_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where Triton is missing (a free-threaded Python without its wheel) a batch of large photos of
-    different sizes is resampled by matrix products: their float copies, products and weights must not
-    cost more device memory than the result itself, however large the images. Reference: torch's
-    antialiased interpolate of each image."""
-    monkeypatch.setattr(functional._kernels, "resample", lambda *args, **kwargs: None)
-    sizes = [(512, 640), (300, 451), (400, 600), (427, 640)] * 4
-    images = [torch.from_numpy(photo(h, w, i)).permute(2, 0, 1).cuda() for i, (h, w) in enumerate(sizes)]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    got = functional.resize_many(images, (256, 256), dtype=torch.float32)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    result = got.numel() * got.element_size()
-    assert peak <= 2 * result + 4 * functional._RESAMPLE_ELEMENTS * 4, (peak / 2**20, result / 2**20)
-    for image, row in zip(images, got, strict=True):
-        expected = torch.nn.functional.interpolate(
-            image.float()[None], size=(256, 256), mode="bilinear", antialias=True, align_corners=False
-        )
-        torch.testing.assert_close(row, expected[0], rtol=0, atol=1e-2)
-
-
 def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest.LogCaptureFixture) -> None:
     """Region decodes that return nothing (as nvImageCodec issue #55 reports) are retried whole on
     the GPU and cropped; when most of a call fails, the device stops decoding regions, with a warning."""

@@ -7,11 +7,14 @@ Pillow decoder gives them: ``(H, W, 3)`` memory seen as ``(3, H, W)``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from threadloader import OutputFormat, ThreadLoader
 from threadloader.transforms import RandomResizedCrop, Resize
@@ -177,3 +180,75 @@ def test_the_gpu_resampling_kernel_in_chunks_is_each_crop_resized_alone(
     as_uint8 = functional._resample_batched(images, regions, sizes, (24, 28), True, None)
     assert as_uint8.dtype == torch.uint8
     assert (as_uint8.int() - got.round().int()).abs().max() <= 1
+
+
+def test_the_gpu_resampling_kernel_in_chunks_reads_a_padded_batch_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decoded batch tensor (each image at the top left of its row) in chunks of one and two rows,
+    to float64: each row's region resampled alone. Reference: torch's interpolate of each crop."""
+    from threadloader.transforms import functional
+
+    extents = ((40, 60), (90, 33), (75, 101))
+    batch = torch.zeros((3, 3, 90, 101), dtype=torch.uint8)
+    for row, (i, (h, w)) in zip(batch, enumerate(extents), strict=True):
+        row[:, :h, :w] = torch.from_numpy(photo(h, w, 30 + i)).permute(2, 0, 1)
+    regions = [(0, 0, 40, 60), (10, 3, 50, 20), (5, 7, 60, 80)]
+    per_image = functional._elements_per_image(3, (90, 101), (24, 28))
+    for per_chunk in (1, 2):
+        monkeypatch.setattr(functional, "_RESAMPLE_ELEMENTS", per_chunk * per_image)
+        got = functional._resample_batched(batch, regions, [(90, 101)] * 3, (24, 28), False, torch.float64)
+        assert got.dtype == torch.float64
+        for row, image, (top, left, height, width) in zip(got, batch, regions, strict=True):
+            crop = image[:, top : top + height, left : left + width].double()[None]
+            expected = F.interpolate(
+                crop, size=(24, 28), mode="bilinear", antialias=False, align_corners=False
+            )
+            torch.testing.assert_close(row, expected[0], rtol=0, atol=1e-6, msg=str(per_chunk))
+
+
+class _PeakMemory(TorchDispatchMode):
+    """Bytes of the tensors that torch's ops make inside the block and that are still alive: the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _freed(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size and key not in self._seen:
+                    self._seen.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key, size)
+        return out
+
+
+def test_the_gpu_resampling_kernel_holds_about_its_result_in_memory() -> None:
+    """The matrix products (the GPU's path for images of different sizes, and for everything without
+    Triton) on large photos: their float copies, products and weights, chunk by chunk, must not hold
+    much more memory than the result. Building every image's weights at once, or padding the whole
+    batch to float at once, takes several times more. Pixels: torch's interpolate of each image."""
+    from threadloader.transforms import functional
+
+    sizes = [(512, 640), (300, 451), (400, 600), (427, 640)] * 4
+    images = [torch.from_numpy(photo(h, w, i)).permute(2, 0, 1) for i, (h, w) in enumerate(sizes)]
+    regions = [(0, 0, h, w) for h, w in sizes]
+    with _PeakMemory() as memory:
+        got = functional._resample_batched(images, regions, sizes, (256, 256), True, torch.float32)
+    result = got.numel() * got.element_size()
+    assert memory.peak <= 3 * result, (memory.peak / 2**20, result / 2**20)
+    for image, row in zip(images, got, strict=True):
+        expected = F.interpolate(
+            image.float()[None], size=(256, 256), mode="bilinear", antialias=True, align_corners=False
+        )
+        torch.testing.assert_close(row, expected[0], rtol=0, atol=1e-2)

@@ -109,8 +109,9 @@ class ThreadLoader:
             random-crop regions have a pool of their own. Default: 2, the fastest measured
             (docs/design.md). Ignored on the CPU.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
-            many images, then split (the GPU decoder is faster on large batches). Default 128 on a
-            GPU, ``batch_size`` on the CPU (each Pillow thread decodes one batch).
+            many images, then split (the GPU decoder is faster on large batches, and each image of a
+            call is in device memory at once). Default 64 on a GPU (or ``batch_size``, if larger),
+            ``batch_size`` on the CPU (each Pillow thread decodes one batch).
         transform: A transform or a list of them (``threadloader.transforms``: Resize, CenterCrop,
             RandomResizedCrop, RandomHorizontalFlip, Normalize, ToDtype), applied to each image after
             decoding, on the reader's stream. Random parameters are a function of (seed, epoch, sample

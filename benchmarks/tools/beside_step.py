@@ -9,7 +9,8 @@ say ``'{"gpu_decoders": 4}'``); ``loader.stats()``'s host milliseconds per batch
 over reader threads), beside the step and then for as many batches alone. ``--side-stream`` runs the
 step on a stream of its own instead of the default one; ``--sched`` sets the CUDA context's host
 scheduling (``spin``, ``yield``, ``blocking``) before anything makes it: two questions about why the
-decoder slows down beside a graphed step. Prints one ``RESULT {json}`` line.
+decoder slows down beside a graphed step. ``peak_torch_mb`` is torch's peak above the step's own.
+Prints one ``RESULT {json}`` line.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD, _augmentation
 from benchmarks.train_step import make_step
 from threadloader import ThreadLoader
 from threadloader._stats import LoaderStats
+
+#: Batches taken untimed before the loader is timed alone: more than its readers hold ready by default.
+_DRAIN = 8
 
 #: ``CU_CTX_SCHED_*``: how the host waits for the GPU (the driver's default is ``auto``).
 SCHED = {"spin": 1, "yield": 2, "blocking": 4}
@@ -83,7 +87,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(steps):
         run_step(fixed)
     fixed_ms = (time.perf_counter() - started) / steps * 1e3
-    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(fixed)
+    step_peak = torch.cuda.max_memory_allocated()  # the step's own, as benchmarks.training takes it
     options: dict[str, Any] = {
         "batch_size": 64,
         "drop_last": True,
@@ -96,7 +102,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "transform": _augmentation(size) if args.augment else None,
         **json.loads(args.options),
     }
-    torch.cuda.reset_peak_memory_stats()
     with ThreadLoader(root, **options) as loader:
         batches = _endless(loader)
         for _ in range(15):
@@ -110,6 +115,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             run_step((images, targets.cuda()))
         wall = time.perf_counter() - started
         beside = _per_batch(before, loader.stats(), steps)
+        for _ in range(_DRAIN):  # what the readers made ahead while the step ran is not "alone"
+            next(batches)
         torch.cuda.synchronize()
         before, started = loader.stats(), time.perf_counter()
         for _ in range(steps):
@@ -129,7 +136,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": round(fixed_ms / step_ms, 3),
         "wait": round(waited / wall, 3),
         "alone_img_s": round(64 * steps / alone_s),
-        "peak_torch_mb": round((torch.cuda.max_memory_allocated() - base) / 2**20),
+        "peak_torch_mb": round((torch.cuda.max_memory_allocated() - step_peak) / 2**20),
         "beside_ms_per_batch": beside,
         "alone_ms_per_batch": alone,
     }
@@ -149,10 +156,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.sched:  # before torch makes the context
-        set_scheduling(args.sched)
+    message = "benchmarks.tools.beside_step needs a CUDA device (it feeds a GPU training step)"
+    try:
+        if args.sched:  # before torch makes the context
+            set_scheduling(args.sched)
+    except (OSError, RuntimeError) as exc:
+        print(f"{message}: {exc}", file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
-        message = "benchmarks.tools.beside_step needs a CUDA device (it feeds a GPU training step)"
         print(message, file=sys.stderr)
         return 1
     print("RESULT", json.dumps(measure(args)), flush=True)

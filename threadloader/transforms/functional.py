@@ -87,9 +87,10 @@ def _channel_constant(values: tuple[float, ...], device: torch.device, dtype: to
     return torch.tensor(values, dtype=dtype, device=device).view(-1, 1, 1)
 
 
-#: Float elements (16 MiB of float32) that one step of the matrix products may hold at once, unless the
-#: batch's own result is larger: padding large images of different sizes to one, their float copies,
-#: products and weights then never take more than the result itself (the Triton kernel needs none).
+#: Float elements (16 MiB of float32) that one chunk of the matrix products may hold at once, or as many
+#: as the batch's result has if that is more: padding large images of different sizes to one, their
+#: float copies, products and weights then hold about as many elements as the result (a chunk holds
+#: at least one image, however large).
 _RESAMPLE_ELEMENTS = 2**22
 
 
