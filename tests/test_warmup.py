@@ -268,3 +268,38 @@ def test_the_environment_turns_the_warm_up_off(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv(_options.WARMUP_ENV, raising=False)
     assert warm() == 2  # one batch per Decoder the readers lease at once (the pool's default, 2)
     assert warm(THREADLOADER_WARMUP="0") == 0
+
+
+def test_prepare_runs_beside_the_batches_on_a_reader_stream_and_readers_wait_for_it() -> None:
+    """The work that needs no decoder (compiling the output's kernel) runs at the same time as the
+    batches, not after them, on the first reader's stream, and ``wait()`` returns only once it has
+    ended too."""
+    prepare_started, release = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+    active: list[tuple[int, str]] = []
+
+    class Recording(ReaderStream):
+        def active(self):  # type: ignore[no-untyped-def]
+            active.append((readers.index(self), threading.current_thread().name))
+            return super().active()
+
+    readers = [Recording(torch.device("cpu")) for _ in range(2)]
+
+    class Producer:
+        def produce(self, *_args: object, **_kwargs: object) -> None:
+            overlapped.append(prepare_started.wait(2))  # False if prepare waits for the batches
+
+    def prepare() -> None:
+        prepare_started.set()
+        assert release.wait(10)
+
+    warmup = Warmup(lambda **_kwargs: Producer(), readers, threads=1, prepare=prepare)  # type: ignore[arg-type,return-value]
+    deadline = time.monotonic() + 5
+    while not overlapped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert overlapped == [True]
+    time.sleep(0.1)
+    assert not warmup.done  # the batch has ended; prepare has not
+    release.set()
+    warmup.wait()
+    assert active == [(0, "threadloader-warmup-1")]

@@ -103,6 +103,19 @@ class OutputFormat:
                 return fused
         return self._layout(self._finish(images, self.size))
 
+    def prepare(self, device: torch.device) -> None:
+        """Formats a tiny padded batch on ``device``: its GPU kernel is compiled before a batch needs it.
+
+        The kernel's first launch compiles it (most of a second); nothing here needs a decoded image, so
+        a warm-up runs it beside nvImageCodec's start rather than after the first decode. The kernel is
+        compiled once per output dtype and normalization, whatever the batch's sizes.
+        """
+        if device.type != "cuda" or self.size is None:
+            return
+        height, width = self.size
+        pixels = torch.zeros((1, height + 1, width + 1, 3), dtype=torch.uint8, device=device)
+        self.apply(pixels.permute(0, 3, 1, 2), extents=[(height + 1, width + 1)])
+
     def _fused(self, batch: torch.Tensor, regions: list[Region]) -> torch.Tensor | None:
         """The whole format (resize, dtype, normalization, layout) in one GPU kernel; ``None`` elsewhere.
 

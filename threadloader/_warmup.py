@@ -61,22 +61,37 @@ class Warmup:
         threads: Batches decoded at once, one per thread: as many as the readers will decode at once,
             so that each Decoder they will lease is made and has decoded (an engine initializes on its
             first decode), not only the first.
+        prepare: Work that needs no decoder, run at once in one more thread on the first reader's
+            stream (compiling the output's kernel, which the batches would otherwise reach only after
+            nvImageCodec has started).
     """
 
     def __init__(
-        self, new_producer: Callable[..., BatchProducer], readers: Sequence[ReaderStream], *, threads: int = 1
+        self,
+        new_producer: Callable[..., BatchProducer],
+        readers: Sequence[ReaderStream],
+        *,
+        threads: int = 1,
+        prepare: Callable[[], object] | None = None,
     ) -> None:
         self._done = threading.Event()
         self._lock = threading.Lock()
-        self._running = threads
+        self._batches = threads
+        self._prepare = prepare
+        self._running = threads + (prepare is not None)
         self._new_producer = new_producer
         self._readers = list(readers)
         self._group = ThreadGroup(
-            name="threadloader-warmup", count=threads, target=self._run, wake=self._done.set
+            name="threadloader-warmup", count=self._running, target=self._run, wake=self._done.set
         )
 
     def _run(self, index: int) -> None:
         try:
+            if index == self._batches:  # the thread beyond the batches': prepare
+                assert self._prepare is not None
+                with self._readers[0].active():
+                    self._prepare()
+                return
             samples = warmup_source() * _COPIES
             producer = self._new_producer(
                 source=samples, stats=StatsRecorder(), on_error="skip", on_skip=_ignore, collate=None

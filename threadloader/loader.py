@@ -256,7 +256,14 @@ class ThreadLoader:
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         # Loads the decoder, on the readers' streams, while the caller builds the rest.
         self._warmup = (
-            Warmup(self._new_producer, self._readers, threads=setup.warm_up) if setup.warm_up else None
+            Warmup(
+                self._new_producer,
+                self._readers,
+                threads=setup.warm_up,
+                prepare=functools.partial(self._output.prepare, self.device),
+            )
+            if setup.warm_up
+            else None
         )
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict

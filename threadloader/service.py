@@ -198,6 +198,7 @@ class BatchDecoder:
                 functools.partial(BatchProducer, decoder=setup.decoder, output=setup.output, transform=chain),
                 readers,
                 threads=setup.warm_up,
+                prepare=functools.partial(setup.output.prepare, setup.device),
             )
         engine = Engine(
             decoder=setup.decoder,
