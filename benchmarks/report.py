@@ -240,12 +240,30 @@ def chart(report: Report, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def can_chart() -> bool:
+    """Whether matplotlib imports, saying so when not: a free-threaded Python may have no build of it.
+
+    The numbers are the run's result; a missing chart should not lose them.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        print(f"no chart: matplotlib does not import ({exc})", file=sys.stderr)
+        return False
+    return True
+
+
 def write(report: Report, out: Path) -> list[Path]:
-    """Write ``report.md``, ``report.json`` and ``report.png`` into ``out`` and return their paths."""
+    """Write ``report.md``, ``report.json`` and, where matplotlib imports, ``report.png`` into ``out``.
+
+    Returns the paths written.
+    """
     out.mkdir(parents=True, exist_ok=True)
     md, js, png = out / "report.md", out / "report.json", out / "report.png"
     md.write_text(markdown(report))
     js.write_text(to_json(report) + "\n")
+    if not can_chart():
+        return [md, js]
     chart(report, png)
     return [md, js, png]
 

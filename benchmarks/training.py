@@ -41,6 +41,7 @@ import torch
 from benchmarks import loaders, timeline
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.loaders import Batch, SkipRow
+from benchmarks.report import can_chart
 from benchmarks.run import (
     DeviceMemory,
     _installed,
@@ -520,12 +521,13 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
             "rows": [asdict(r) | {"ratio": ratio(r, rows)} for r in rows],
         }
         (args.out / "training.json").write_text(json.dumps(dump, indent=2) + "\n")
-        chart(
-            rows,
-            args.out / "training.png",
-            f"{config['model']} b{args.batch_size} on {info.get('gpu', 'cpu')}",
-        )
-        print(f"wrote {args.out}/training.md, .json, .png", file=sys.stderr)
+        if can_chart():
+            chart(
+                rows,
+                args.out / "training.png",
+                f"{config['model']} b{args.batch_size} on {info.get('gpu', 'cpu')}",
+            )
+        print(f"wrote {args.out}/training.md, .json and any chart", file=sys.stderr)
     return rows
 
 

@@ -141,3 +141,19 @@ def test_threadloader_options_reach_the_row_processes(tmp_path: Path) -> None:
     (row,) = json.loads((out / "report.json").read_text())["rows"]
     assert row["name"].endswith(" max_pixels=1"), row
     assert row["status"] == "failed" and "over the limit of 1" in row["reason"], row
+
+
+def test_a_run_without_matplotlib_keeps_its_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python with no matplotlib build (free-threaded 3.13t) writes the tables and JSON, no chart."""
+    from benchmarks import report as report_module
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes ``import matplotlib`` raise ImportError
+    result = Result("x b=8", "threadloader", 8, [_row(images_per_s=100.0)])
+    report = Report(hardware={}, config={"mode": "throughput"}, rows=[result])
+    written = report_module.write(report, tmp_path)
+    assert (
+        sorted(p.name for p in tmp_path.iterdir())
+        == ["report.json", "report.md"]
+        == sorted(p.name for p in written)
+    )
+    assert json.loads((tmp_path / "report.json").read_text())["rows"][0]["name"] == "x b=8"

@@ -139,3 +139,10 @@ def test_stages_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:
         result = run_benchmark("benchmarks.tools.beside_step", args, tmp_path)
         assert result.returncode == 1, args
         assert "needs a CUDA device" in result.stderr, args
+
+
+def test_decoders_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:
+    """The Decoders-beside-a-step instrument measures nvImageCodec on a GPU, and says so without one."""
+    result = run_benchmark("benchmarks.tools.decoders_beside", ["--no-beside"], tmp_path)
+    assert result.returncode == 1
+    assert "needs a CUDA device" in result.stderr

@@ -202,7 +202,7 @@ def test_backend_and_gpu_decoders_are_checked_once_with_the_same_words_on_every_
     where = torch.device(device)
     _device.make_decoder(where, backend="auto", cpu_threads=1)  # the GPU decoder's constructor touches no GPU
     assert calls == [("auto", 2)]
-    with pytest.raises(ValueError, match=r"backend must be one of \['auto', .*got 'nvjpeg'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['all', 'auto', .*got 'nvjpeg'"):
         _device.make_decoder(where, backend="nvjpeg", cpu_threads=1)
     with pytest.raises(ValueError, match="gpu_decoders must be an int of at least 1, got 0"):
         _device.make_decoder(where, backend="auto", cpu_threads=1, gpu_decoders=0)
@@ -231,3 +231,29 @@ def test_every_type_in_the_decoder_plug_in_signature_is_public() -> None:
                 or module in ("builtins", "torch.cuda.streams", "torch.cuda")
                 or (leaf is type(None) or leaf is torch.cuda.Stream)
             ), f"{name}: {leaf!r} from {module} is not exported by threadloader.decode"
+
+
+@pytest.mark.parametrize(
+    ("backend", "kinds"),
+    [("auto", [1, 2, 3]), ("all", None), ("hardware", [4]), ("hybrid", [3]), ("split", [3, 4])],
+)
+def test_each_backend_asks_nvimgcodec_for_its_kinds(
+    monkeypatch: pytest.MonkeyPatch, backend: str, kinds: list[int] | None
+) -> None:
+    """``auto`` leaves out the JPEG engine (slow beside a busy GPU), ``all`` lets nvImageCodec choose.
+
+    The kinds are nvimgcodecBackendKind_t's values in nvImageCodec 0.9's header: CPU_ONLY 1, GPU_ONLY 2,
+    HYBRID_CPU_GPU 3, HW_GPU_ONLY 4.
+    """
+    import contextlib
+
+    import torch
+
+    from threadloader.decode import _capi, _engines
+
+    made: list[object] = []
+    monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["backends"]))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    _engines.CApiEngine(None).new_decoder(0, backend, 2)  # type: ignore[arg-type]
+    (asked,) = made
+    assert (None if asked is None else sorted(kind for kind, _ in asked)) == kinds  # type: ignore[attr-defined]

@@ -224,7 +224,7 @@ def test_decodes_straight_into_one_batch_tensor() -> None:
         assert gpu_mismatch(image, pil_reference(blobs[position])) is None
 
 
-@pytest.mark.parametrize("backend", ["auto", "hardware", "hybrid", "split"])
+@pytest.mark.parametrize("backend", ["auto", "all", "hardware", "hybrid", "split"])
 def test_decoding_never_overwrites_memory_that_queued_work_still_reads(backend: str) -> None:
     """A group's decode memory, freed while its stream still has work reading it, is not decoded into.
 
@@ -258,7 +258,7 @@ def test_decoding_never_overwrites_memory_that_queued_work_still_reads(backend: 
             assert gpu_mismatch(image, reference) is None
 
 
-@pytest.mark.parametrize("backend", ["auto", "split"])
+@pytest.mark.parametrize("backend", ["auto", "all", "split"])
 def test_a_pool_of_decoders_gives_pillows_pixels(backend: str) -> None:
     """Four readers on a pool of three Decoders: every image as Pillow decodes it, at most three made."""
     from threadloader.decode.nvimgcodec import DecoderRegistry, NvImageCodecDecoder, new_decoder

@@ -98,10 +98,12 @@ class ThreadLoader:
         on_error: ``"raise"``: a bad sample raises :class:`SampleError` in the consumer at its batch.
             ``"skip"``: it is logged, counted in :meth:`stats` and left out of its batch (a batch left
             empty is not yielded).
-        backend: GPU decoding backend: ``"auto"`` (nvImageCodec's choice per image), ``"split"`` (the
-            JPEG engine takes a fixed share of each batch, the CUDA and hybrid decoders the rest, at
-            once, as DALI's decoder does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` or
-            ``"cpu"`` (nvImageCodec's CPU decoder).
+        backend: GPU decoding backend: ``"auto"`` (every nvImageCodec decoder but the JPEG engine,
+            which slows down tenfold beside a training step that keeps the GPU busy), ``"all"``
+            (nvImageCodec's choice per image, the JPEG engine first), ``"split"`` (the JPEG engine
+            takes a fixed share of each batch, the CUDA decoder the rest, at once, as DALI's decoder
+            does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` (both nvJPEG's CUDA
+            decoder) or ``"cpu"`` (nvImageCodec's CPU decoder).
         decode_threads: nvImageCodec's own CPU threads; default: the cores the readers leave free.
         gpu_decoders: Most nvImageCodec Decoders decoding at once for this configuration (device,
             backend, ``decode_threads``), each called by one reader thread at a time; made only when

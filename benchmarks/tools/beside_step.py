@@ -9,7 +9,8 @@ say ``'{"gpu_decoders": 4}'``); ``loader.stats()``'s host milliseconds per batch
 over reader threads), beside the step and then for as many batches alone. ``--side-stream`` runs the
 step on a stream of its own instead of the default one; ``--sched`` sets the CUDA context's host
 scheduling (``spin``, ``yield``, ``blocking``) before anything makes it: two questions about why the
-decoder slows down beside a graphed step. ``peak_torch_mb`` is torch's peak above the step's own.
+decoder slows down beside a graphed step. ``peak_torch_mb`` is torch's peak above the step's own;
+``readers_busy_*`` the share of the reader threads' time spent in a timed stage.
 Prints one ``RESULT {json}`` line.
 """
 
@@ -124,6 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         alone_s = time.perf_counter() - started
         alone = _per_batch(before, loader.stats(), steps)
+        readers = loader.num_threads
     step_ms = wall / steps * 1e3
     return {
         "options": args.options,
@@ -139,7 +141,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "peak_torch_mb": round((torch.cuda.max_memory_allocated() - step_peak) / 2**20),
         "beside_ms_per_batch": beside,
         "alone_ms_per_batch": alone,
+        # The share of the readers' time inside a timed stage: well below 1 while the consumer waits
+        # for data, the readers wait for something no stage times (the window, a lock).
+        "readers_busy_beside": _busy(beside, readers, step_ms),
+        "readers_busy_alone": _busy(alone, readers, alone_s / steps * 1e3),
     }
+
+
+def _busy(stages: dict[str, float], readers: int, batch_ms: float) -> float:
+    """Reader milliseconds in timed stages per reader millisecond (``wait`` is the consumer's, not theirs)."""
+    return round(sum(ms for stage, ms in stages.items() if stage != "wait") / (readers * batch_ms), 3)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -50,6 +50,7 @@ from .._gil import Pacer
 __all__ = [
     "CPU_ONLY",
     "DEVICE_CPU_ONLY",
+    "GPU_ONLY",
     "HW_GPU_ONLY",
     "HYBRID_CPU_GPU",
     "IMAGE_INFO",

@@ -39,13 +39,20 @@ __all__ = [
 #: Share of each batch the JPEG engine takes under ``backend="split"``: DALI's ``hw_decoder_load`` default.
 HARDWARE_SHARE = 0.65
 
+#: Every backend kind but the JPEG engine: what ``backend="auto"`` allows. Beside a training step that
+#: keeps the GPU's SMs busy, the JPEG engine's Decoders delivered a tenth of what they do alone (varied
+#: photos on an H200) while nvJPEG's CUDA decoder kept most of its speed (docs/design.md, "Decoder
+#: engines"), and alone the two were as fast on those photos.
+_ALL_BUT_THE_ENGINE = (("GPU_ONLY", 1.0), ("HYBRID_CPU_GPU", 1.0), ("CPU_ONLY", 1.0))
+
 #: Accepted ``backend=`` values: the nvImageCodec backend kinds each allows, with their load hints
 #: (the share of a batch each takes); ``None``: all of them, nvImageCodec choosing per image.
 #: nvImageCodec 0.8 and 0.9 have no JPEG decoder of kind GPU_ONLY: nvJPEG's CUDA decoder registers as
 #: HYBRID_CPU_GPU (Huffman decoding on the CPU below a size threshold, on the GPU above), and kinds
 #: match exactly, so ``"cuda"`` and ``"hybrid"`` are that decoder.
 BACKENDS: dict[str, tuple[tuple[str, float], ...] | None] = {
-    "auto": None,
+    "auto": _ALL_BUT_THE_ENGINE,  # JPEGs on nvJPEG's CUDA decoder; other formats where nvImageCodec can
+    "all": None,  # nvImageCodec's own choice: the JPEG engine first where the GPU has one
     "hardware": (("HW_GPU_ONLY", 1.0),),  # the GPU's JPEG engine (A100, H100, H200...)
     "cuda": (("HYBRID_CPU_GPU", 1.0),),
     "hybrid": (("HYBRID_CPU_GPU", 1.0),),

@@ -65,8 +65,8 @@ __all__ = [
 #: measured fastest on an H200 (docs/design.md, "Decoder engines"). More Decoders cost device memory.
 DEFAULT_GPU_DECODERS = 2
 
-#: The backend that decodes regions under ``backend="auto"`` and ``"split"``: with nvImageCodec 0.9.0 the
-#: only one faster on regions than on whole images (docs/benchmarks.md has the measurements).
+#: The backend that decodes regions under ``backend="auto"``, ``"all"`` and ``"split"``: with nvImageCodec
+#: 0.9.0 the only one faster on regions than on whole images (docs/benchmarks.md has the measurements).
 REGION_BACKEND = "hybrid"
 
 #: Fewest regions in a decoder call for its failures to turn region decoding off (see _regions_failed).
@@ -263,7 +263,8 @@ class NvImageCodecDecoder(ImageDecoder):
                 assert index is not None
                 key: DecoderKey = (engine.name, index, self._backend, self._cpu_threads)
                 self._registry.release(key, self._registry.acquire(key, self._gpu_decoders))
-                region_backend = REGION_BACKEND if self._backend in ("auto", "split") else self._backend
+                mixed = self._backend in ("auto", "all", "split")  # several kinds: regions take the fastest
+                region_backend = REGION_BACKEND if mixed else self._backend
                 self._prepared = (engine, key, (engine.name, index, region_backend, self._cpu_threads))
             return self._prepared
 
