@@ -257,3 +257,47 @@ def test_each_backend_asks_nvimgcodec_for_its_kinds(
     _engines.CApiEngine(None).new_decoder(0, backend, 2)  # type: ignore[arg-type]
     (asked,) = made
     assert (None if asked is None else sorted(kind for kind, _ in asked)) == kinds  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("options", "threads"),
+    [
+        ({}, (16 - 2) // 2),  # the cores 2 readers leave, shared by the 2 Decoders of the default pool
+        ({"num_threads": 4, "gpu_decoders": 3}, (16 - 4) // 3),
+        ({"num_threads": 15, "gpu_decoders": 4}, 1),  # never none
+        ({"decode_threads": 5, "gpu_decoders": 3}, 5),  # the user's count, per Decoder
+    ],
+)
+def test_the_free_cores_are_shared_by_the_decoders(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, int], threads: int
+) -> None:
+    """nvImageCodec's CPU threads per Decoder: pools that each took every free core oversubscribed them."""
+    import torch
+
+    from threadloader import _device, _options
+    from threadloader.decode.pillow import PillowDecoder
+
+    made: list[int] = []
+    monkeypatch.setattr(_device, "available_cpus", lambda: 16)
+    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
+    monkeypatch.setattr(
+        _options,
+        "make_decoder",
+        lambda *_args, **kwargs: made.append(kwargs["cpu_threads"]) or PillowDecoder(),
+    )
+    settings: dict[str, object] = {"num_threads": 2, "decode_threads": None, "gpu_decoders": None} | options
+    _options.set_up(
+        None,
+        size=None,
+        dtype=torch.uint8,
+        mean=None,
+        std=None,
+        channels_last=False,
+        device="cuda",
+        backend="auto",
+        max_pixels=None,
+        region_decode=None,
+        decoder=None,
+        **settings,  # type: ignore[arg-type]
+    )
+    assert made == [threads]

@@ -62,9 +62,14 @@ def default_decode_batch_size(device: torch.device, batch_size: int) -> int:
     return max(64, batch_size) if device.type == "cuda" else batch_size
 
 
-def default_decode_threads(num_threads: int) -> int:
-    """nvImageCodec's own CPU threads (Huffman decoding, CPU fallback): the cores readers leave free."""
-    return max(1, available_cpus() - num_threads)
+def default_decode_threads(num_threads: int, decoders: int) -> int:
+    """nvImageCodec's CPU threads per Decoder (Huffman decoding, CPU fallback) for a GPU loader.
+
+    The cores the readers leave free, shared by the ``decoders`` that may decode at once: each Decoder
+    has a pool of its own, and pools that each took every free core put several threads on each core,
+    which beside a graphed training step fed it less (docs/design.md, "Decoder engines").
+    """
+    return max(1, (available_cpus() - num_threads) // decoders)
 
 
 def _nvimgcodec_installed() -> bool:

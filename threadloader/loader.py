@@ -104,7 +104,8 @@ class ThreadLoader:
             takes a fixed share of each batch, the CUDA decoder the rest, at once, as DALI's decoder
             does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` (both nvJPEG's CUDA
             decoder) or ``"cpu"`` (nvImageCodec's CPU decoder).
-        decode_threads: nvImageCodec's own CPU threads; default: the cores the readers leave free.
+        decode_threads: nvImageCodec's own CPU threads per Decoder; default: the cores the readers leave
+            free, shared by the ``gpu_decoders`` Decoders.
         gpu_decoders: Most nvImageCodec Decoders decoding at once for this configuration (device,
             backend, ``decode_threads``), each called by one reader thread at a time; made only when
             the others are busy. Pools are process-wide, shared by loaders of one configuration, and
