@@ -64,6 +64,12 @@ def _model(device: str) -> torch.nn.Module:
     return model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
 
 
+def random_batch(*, device: str, batch_size: int, size: tuple[int, int]) -> Batch:
+    """Random images (channels_last, as the loaders deliver them) and targets: a step's fixed input."""
+    images = torch.rand(batch_size, 3, *size, device=device).contiguous(memory_format=torch.channels_last)
+    return images, torch.randint(0, CLASSES, (batch_size,), device=device)
+
+
 def make_step(*, device: str, batch_size: int, size: tuple[int, int], kind: str = "eager") -> Step:
     """A fresh model and optimizer and the step over them, already run on random data.
 
@@ -84,8 +90,7 @@ def make_step(*, device: str, batch_size: int, size: tuple[int, int], kind: str 
     model = _model(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     torch.backends.cudnn.benchmark = True
-    images = torch.rand(batch_size, 3, *size, device=device).contiguous(memory_format=torch.channels_last)
-    targets = torch.randint(0, CLASSES, (batch_size,), device=device)
+    images, targets = random_batch(device=device, batch_size=batch_size, size=size)
 
     def train(x: torch.Tensor, y: torch.Tensor) -> None:
         # No autocast weight cache: a graph must not capture casts cached outside it (torch's notes).

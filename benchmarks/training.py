@@ -52,7 +52,7 @@ from benchmarks.run import (
     hardware,
     record_failure,
 )
-from benchmarks.train_step import KINDS, Step, make_step, model_name
+from benchmarks.train_step import KINDS, Step, make_step, model_name, random_batch
 
 PIPELINES = ("resize", "augment")
 LOADERS = ("fixed_input", "threadloader", "dali", "spawn_collate_nvimgcodec", "pil_dataloader")
@@ -122,10 +122,9 @@ class TrainingRow:
 
 def fixed_input(*, size: tuple[int, int], batch_size: int, device: str) -> Generator[Batch, None, None]:
     """The same batch forever, on the device and channels_last: the step with no loader (the ceiling)."""
-    images = torch.rand(batch_size, 3, *size, device=device).contiguous(memory_format=torch.channels_last)
-    targets = torch.randint(0, 10, (batch_size,), device=device)
+    batch = random_batch(device=device, batch_size=batch_size, size=size)
     while True:
-        yield images, targets
+        yield batch
 
 
 def _loader(

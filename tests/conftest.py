@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from threadloader._options import Setup
 from threadloader._stats import StatsRecorder
 from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
 from threadloader.decode.base import RegionOf
@@ -279,3 +280,29 @@ def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.Co
         text=True,
         timeout=300,
     )
+
+
+def set_up_on_a_gpu(**options: object) -> Setup:
+    """``_options.set_up`` as a GPU front end calls it with its defaults, ``options`` replacing some.
+
+    For tests of what the setup derives (warm-up, decoder threads) with ``resolve_device`` and
+    ``make_decoder`` stood in for by the test, so no GPU is touched.
+    """
+    from threadloader import _options
+
+    settings: dict[str, object] = {
+        "size": None,
+        "dtype": torch.uint8,
+        "mean": None,
+        "std": None,
+        "channels_last": False,
+        "device": "cuda",
+        "num_threads": 2,
+        "backend": "auto",
+        "decode_threads": None,
+        "gpu_decoders": None,
+        "max_pixels": None,
+        "region_decode": None,
+        "decoder": None,
+    }
+    return _options.set_up(None, **(settings | options))  # type: ignore[arg-type]

@@ -13,6 +13,8 @@ import pytest
 from threadloader import BatchDecoder, ThreadLoader
 from threadloader.decode.nvimgcodec import DecoderRegistry
 
+from .conftest import set_up_on_a_gpu
+
 KEY = (0, "auto", 2)
 
 
@@ -285,19 +287,5 @@ def test_the_free_cores_are_shared_by_the_decoders(
         "make_decoder",
         lambda *_args, **kwargs: made.append(kwargs["cpu_threads"]) or PillowDecoder(),
     )
-    settings: dict[str, object] = {"num_threads": 2, "decode_threads": None, "gpu_decoders": None} | options
-    _options.set_up(
-        None,
-        size=None,
-        dtype=torch.uint8,
-        mean=None,
-        std=None,
-        channels_last=False,
-        device="cuda",
-        backend="auto",
-        max_pixels=None,
-        region_decode=None,
-        decoder=None,
-        **settings,  # type: ignore[arg-type]
-    )
+    set_up_on_a_gpu(**options)
     assert made == [threads]

@@ -27,7 +27,7 @@ from threadloader._warmup import Warmup, warmup_source
 from threadloader.decode import PillowDecoder
 from threadloader.decode.base import DecodedBatch, ImageDecoder
 
-from .conftest import GatedDecoder, encode, photo
+from .conftest import GatedDecoder, encode, photo, set_up_on_a_gpu
 
 
 @pytest.fixture
@@ -248,22 +248,7 @@ def test_the_environment_turns_the_warm_up_off(monkeypatch: pytest.MonkeyPatch) 
     def warm(**env: str) -> int:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        return _options.set_up(
-            None,
-            size=None,
-            dtype=torch.uint8,
-            mean=None,
-            std=None,
-            channels_last=False,
-            device="cuda",
-            num_threads=4,
-            backend="auto",
-            decode_threads=None,
-            gpu_decoders=None,
-            max_pixels=None,
-            region_decode=None,
-            decoder=None,
-        ).warm_up
+        return set_up_on_a_gpu(num_threads=4).warm_up
 
     monkeypatch.delenv(_options.WARMUP_ENV, raising=False)
     assert warm() == 2  # one batch per Decoder the readers lease at once (the pool's default, 2)

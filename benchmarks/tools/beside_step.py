@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset
 from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD, _augmentation
-from benchmarks.train_step import make_step
+from benchmarks.train_step import make_step, random_batch
 from threadloader import ThreadLoader
 from threadloader._stats import LoaderStats
 
@@ -78,10 +78,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 tensor.record_stream(side)
             step(batch)
 
-    fixed = (
-        torch.rand(64, 3, *size, device="cuda").contiguous(memory_format=torch.channels_last),
-        torch.randint(0, 10, (64,), device="cuda"),
-    )
+    fixed = random_batch(device="cuda", batch_size=64, size=size)
     for _ in range(5):
         run_step(fixed)
     started = time.perf_counter()

@@ -30,7 +30,7 @@ import torch
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.run import hardware
 from benchmarks.tools.engines import _backends
-from benchmarks.train_step import make_step
+from benchmarks.train_step import make_step, random_batch
 
 #: The backend kind whose refusals go back on the queue.
 ENGINE = "HW_GPU_ONLY"
@@ -119,10 +119,7 @@ def _graphed_step() -> tuple[Callable[[], None], float]:
     """The graphed ResNet-50 step on a fixed tensor, and its milliseconds alone."""
     size = OUTPUT_SIZE["varied"]
     step = make_step(device="cuda", batch_size=64, size=size, kind="graphed")
-    fixed = (
-        torch.rand(64, 3, *size, device="cuda").contiguous(memory_format=torch.channels_last),
-        torch.randint(0, 10, (64,), device="cuda"),
-    )
+    fixed = random_batch(device="cuda", batch_size=64, size=size)
     for _ in range(5):
         step(fixed)
     started = time.perf_counter()
