@@ -237,10 +237,19 @@ def test_every_type_in_the_decoder_plug_in_signature_is_public() -> None:
 
 @pytest.mark.parametrize(
     ("backend", "kinds"),
-    [("auto", [1, 2, 3]), ("all", None), ("hardware", [4]), ("hybrid", [3]), ("split", [3, 4])],
+    [
+        # GPU decoders before the CPU's: with every share at 1.0, the first backend that can takes an image
+        ("auto", [(2, 1.0), (3, 1.0), (1, 1.0)]),
+        ("all", None),
+        ("hardware", [(4, 1.0)]),
+        ("cuda", [(3, 1.0)]),
+        ("hybrid", [(3, 1.0)]),
+        ("cpu", [(1, 1.0)]),
+        ("split", [(4, 0.65), (3, 1.0)]),  # DALI's hw_decoder_load
+    ],
 )
 def test_each_backend_asks_nvimgcodec_for_its_kinds(
-    monkeypatch: pytest.MonkeyPatch, backend: str, kinds: list[int] | None
+    monkeypatch: pytest.MonkeyPatch, backend: str, kinds: list[tuple[int, float]] | None
 ) -> None:
     """``auto`` leaves out the JPEG engine (slow beside a busy GPU), ``all`` lets nvImageCodec choose.
 
@@ -258,13 +267,15 @@ def test_each_backend_asks_nvimgcodec_for_its_kinds(
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     _engines.CApiEngine(None).new_decoder(0, backend, 2)  # type: ignore[arg-type]
     (asked,) = made
-    assert (None if asked is None else sorted(kind for kind, _ in asked)) == kinds  # type: ignore[attr-defined]
+    assert (None if asked is None else list(asked)) == kinds  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize(
     ("options", "threads"),
     [
         ({}, (16 - 2) // 2),  # the cores 2 readers leave, shared by the 2 Decoders of the default pool
+        ({"num_threads": 1}, 16 - 1),  # one reader calls one Decoder at a time: it gets them all
+        ({"num_threads": 2, "gpu_decoders": 4}, (16 - 2) // 2),  # as many at once as readers
         ({"num_threads": 4, "gpu_decoders": 3}, (16 - 4) // 3),
         ({"num_threads": 15, "gpu_decoders": 4}, 1),  # never none
         ({"decode_threads": 5, "gpu_decoders": 3}, 5),  # the user's count, per Decoder
@@ -282,10 +293,34 @@ def test_the_free_cores_are_shared_by_the_decoders(
     made: list[int] = []
     monkeypatch.setattr(_device, "available_cpus", lambda: 16)
     monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-    monkeypatch.setattr(
-        _options,
-        "make_decoder",
-        lambda *_args, **kwargs: made.append(kwargs["cpu_threads"]) or PillowDecoder(),
-    )
+
+    def make_decoder(*_args: object, cpu_threads: int, **_kwargs: object) -> PillowDecoder:
+        made.append(cpu_threads)
+        return PillowDecoder()
+
+    monkeypatch.setattr(_options, "make_decoder", make_decoder)
     set_up_on_a_gpu(**options)
     assert made == [threads]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"gpu_decoders": 0}, "gpu_decoders must be an int of at least 1, got 0"),
+        ({"gpu_decoders": "2"}, "gpu_decoders must be an int of at least 1, got '2'"),
+        ({"decode_threads": 0}, "decode_threads must be at least 1 (or None for the default), got 0"),
+    ],
+)
+def test_bad_decoder_counts_are_refused_with_what_was_got(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, object], message: str
+) -> None:
+    """A count the thread default cannot divide by still gets the decoder's own error, not a ZeroDivision."""
+    import re
+
+    import torch
+
+    from threadloader import _options
+
+    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        set_up_on_a_gpu(**options)

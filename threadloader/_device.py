@@ -65,9 +65,10 @@ def default_decode_batch_size(device: torch.device, batch_size: int) -> int:
 def default_decode_threads(num_threads: int, decoders: int) -> int:
     """nvImageCodec's CPU threads per Decoder (Huffman decoding, CPU fallback) for a GPU loader.
 
-    The cores the readers leave free, shared by the ``decoders`` that may decode at once: each Decoder
-    has a pool of its own, and pools that each took every free core put several threads on each core,
-    which beside a graphed training step fed it less (docs/design.md, "Decoder engines").
+    The cores the readers leave free, shared by the ``decoders`` that decode at once (a reader calls
+    one at a time, so at most as many as the readers): each Decoder has a pool of its own, and pools
+    that each took every free core put several threads on each core, which beside a graphed training
+    step fed it less (docs/design.md, "Decoder engines").
     """
     return max(1, (available_cpus() - num_threads) // decoders)
 

@@ -112,12 +112,14 @@ def set_up(
         return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output)
     resolved = resolve_device(device)
     threads = num_threads or default_num_threads(resolved)
+    if decode_threads is not None and decode_threads < 1:
+        raise ValueError(f"decode_threads must be at least 1 (or None for the default), got {decode_threads}")
     # A gpu_decoders that is not a positive int is refused by make_decoder, with the reason.
-    decoders = gpu_decoders if isinstance(gpu_decoders, int) and gpu_decoders > 0 else DEFAULT_GPU_DECODERS
+    pool = gpu_decoders if isinstance(gpu_decoders, int) and gpu_decoders > 0 else DEFAULT_GPU_DECODERS
     built = make_decoder(
         resolved,
         backend=backend,
-        cpu_threads=decode_threads or default_decode_threads(threads, decoders),
+        cpu_threads=decode_threads or default_decode_threads(threads, min(threads, pool)),
         gpu_decoders=gpu_decoders,
         max_pixels=max_pixels,
         region_decode=region_decode_default() if region_decode is None else region_decode,

@@ -108,7 +108,8 @@ class OutputFormat:
 
         The kernel's first launch compiles it (most of a second); nothing here needs a decoded image, so
         a warm-up runs it beside nvImageCodec's start rather than after the first decode. The kernel is
-        compiled once per output dtype and normalization, whatever the batch's sizes.
+        compiled per input dtype, output dtype and normalization, whatever the batch's sizes: this
+        compiles the one for ``uint8`` input, what the decoders produce.
         """
         if device.type != "cuda" or self.size is None:
             return

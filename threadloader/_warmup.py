@@ -89,6 +89,7 @@ class Warmup:
         try:
             if index == self._batches:  # the thread beyond the batches': prepare
                 assert self._prepare is not None
+                check_cancelled()  # closed before this thread began: nothing to compile for
                 with self._readers[0].active():
                     self._prepare()
                 return

@@ -105,10 +105,12 @@ class ThreadLoader:
             does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` (both nvJPEG's CUDA
             decoder) or ``"cpu"`` (nvImageCodec's CPU decoder).
         decode_threads: nvImageCodec's own CPU threads per Decoder; default: the cores the readers leave
-            free, shared by the ``gpu_decoders`` Decoders.
+            free, shared by the Decoders they decode on at once (``gpu_decoders``, at most one per
+            reader).
         gpu_decoders: Most nvImageCodec Decoders decoding at once for this configuration (device,
-            backend, ``decode_threads``), each called by one reader thread at a time; made only when
-            the others are busy. Pools are process-wide, shared by loaders of one configuration, and
+            backend, ``decode_threads``, whose default follows ``num_threads`` and ``gpu_decoders``),
+            each called by one reader thread at a time; made only when the others are busy. Pools are
+            process-wide, shared by loaders of one configuration, and
             random-crop regions have a pool of their own. Default: 2, the fastest measured
             (docs/design.md). Ignored on the CPU.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this

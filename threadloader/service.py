@@ -116,7 +116,8 @@ class BatchDecoder:
             room (or ``timeout``), ``"raise"`` :class:`QueueFullError` at once (shed load).
         backend: GPU decoding backend, as for :class:`ThreadLoader`.
         decode_threads: nvImageCodec's own CPU threads per Decoder; default: the cores the workers leave
-            free, shared by the ``gpu_decoders`` Decoders.
+            free, shared by the Decoders they decode on at once (``gpu_decoders``, at most one per
+            worker).
         gpu_decoders: Most nvImageCodec Decoders decoding at once, as for :class:`ThreadLoader`.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels fails its
             request, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.

@@ -1,12 +1,12 @@
 """nvImageCodec Decoders alone and beside a graphed training step: which backend keeps its speed.
 
 Usage: ``python -m benchmarks.tools.decoders_beside [--sets varied,fixed] [--count 1000]
-[--configs 'auto;HYBRID_CPU_GPU,HYBRID_CPU_GPU;...'] [--chunks 32,64] [--no-beside] [--out FILE]``.
+[--configs 'all;HYBRID_CPU_GPU,HYBRID_CPU_GPU;...'] [--chunks 32,64] [--no-beside] [--out FILE]``.
 Needs a CUDA device.
 
 Each configuration is a list of Decoders, one thread each, with their backends as in
-``benchmarks.tools.engines`` (``auto``, ``split-F``, or a backend kind's name), pulling chunks of
-``--chunk`` images from one shared queue of in-memory JPEGs (two passes over the set); images the JPEG
+``benchmarks.tools.engines`` (``all``, ``split-F``, or a backend kind's name), pulling chunks of
+``--chunks`` images from one shared queue of in-memory JPEGs (two passes over the set); images the JPEG
 engine (``HW_GPU_ONLY``) refuses, progressive and grayscale ones, go back on the queue for the other
 threads. Images per second over the whole run, first alone, then (four passes) while the main thread
 replays the ResNet-50 step of ``benchmarks.train_step`` captured in a CUDA graph, on a fixed tensor, as
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=1000)
     p.add_argument(
         "--configs",
-        default="auto;auto,auto;split-0.65;HW_GPU_ONLY;HYBRID_CPU_GPU;HYBRID_CPU_GPU,HYBRID_CPU_GPU;"
+        default="all;all,all;split-0.65;HW_GPU_ONLY;HYBRID_CPU_GPU;HYBRID_CPU_GPU,HYBRID_CPU_GPU;"
         "HW_GPU_ONLY,HYBRID_CPU_GPU;HW_GPU_ONLY,HYBRID_CPU_GPU,HYBRID_CPU_GPU",
         help="';'-separated configurations, each a ','-separated list of one Decoder's backends per thread",
     )

@@ -88,7 +88,7 @@ def raw_decode_rows(root: os.PathLike[str], *, count: int = 1024, batch: int = 1
     params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.SRGB, sample_format=nv.I_RGB)
     crops = RandomResizedCrop(224)
     rows = []
-    for name, kind in (("auto", None), ("hardware", "HW_GPU_ONLY"), ("hybrid", "HYBRID_CPU_GPU")):
+    for name, kind in (("all", None), ("hardware", "HW_GPU_ONLY"), ("hybrid", "HYBRID_CPU_GPU")):
         decoder = nv.Decoder(backends=None if kind is None else [nv.Backend(getattr(nv, kind))])
         streams = [nv.CodeStream(data) for data in blobs]
         regions = [
