@@ -99,7 +99,7 @@ class ThreadLoader:
             ``"skip"``: it is logged, counted in :meth:`stats` and left out of its batch (a batch left
             empty is not yielded).
         backend: GPU decoding backend: ``"auto"`` (every nvImageCodec decoder but the JPEG engine,
-            which slows down tenfold beside a training step that keeps the GPU busy), ``"all"``
+            which falls far behind beside a training step that keeps the GPU busy), ``"all"``
             (nvImageCodec's choice per image, the JPEG engine first), ``"split"`` (the JPEG engine
             takes a fixed share of each batch, the CUDA decoder the rest, at once, as DALI's decoder
             does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` (both nvJPEG's CUDA
@@ -110,9 +110,8 @@ class ThreadLoader:
         gpu_decoders: Most nvImageCodec Decoders decoding at once for this configuration (device,
             backend, ``decode_threads``, whose default follows ``num_threads`` and ``gpu_decoders``),
             each called by one reader thread at a time; made only when the others are busy. Pools are
-            process-wide, shared by loaders of one configuration, and
-            random-crop regions have a pool of their own. Default: 2, the fastest measured
-            (docs/design.md). Ignored on the CPU.
+            process-wide, shared by loaders of one configuration, and random-crop regions have a pool
+            of their own. Default: 2, the fastest measured (docs/design.md). Ignored on the CPU.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches, and each image of a
             call is in device memory at once). Default 64 on a GPU (or ``batch_size``, if larger),

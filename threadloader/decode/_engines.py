@@ -40,9 +40,9 @@ __all__ = [
 HARDWARE_SHARE = 0.65
 
 #: Every backend kind but the JPEG engine: what ``backend="auto"`` allows. Beside a training step that
-#: keeps the GPU's SMs busy, the JPEG engine's Decoders delivered a tenth of what they do alone (varied
-#: photos on an H200) while nvJPEG's CUDA decoder kept most of its speed (docs/design.md, "Decoder
-#: engines"), and alone the two were as fast on those photos.
+#: keeps the GPU's SMs busy, the JPEG engine's Decoders fell far behind what they do alone, while
+#: nvJPEG's CUDA decoder kept most of its speed, and alone the two were as fast on photos of ImageNet's
+#: sizes (docs/design.md, "Decoder engines", has the measurements).
 _ALL_BUT_THE_ENGINE = (("GPU_ONLY", 1.0), ("HYBRID_CPU_GPU", 1.0), ("CPU_ONLY", 1.0))
 
 #: Accepted ``backend=`` values: the nvImageCodec backend kinds each allows, with their load hints
