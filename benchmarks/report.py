@@ -509,10 +509,11 @@ def training_key(row: Json) -> tuple[str, str, str]:
     spec = row["spec"]
     engine = f", {spec['engine']}" if spec.get("engine") else ""
     priority = ", default stream priority" if spec.get("priority") == "default" else ""
+    options = "".join(f", {key}={value!r}" for key, value in spec.get("options", {}).items())
     return (
         spec["kind"],
         spec["pipeline"],
-        LOADER_LABELS.get(spec["loader"], spec["loader"]) + engine + priority,
+        LOADER_LABELS.get(spec["loader"], spec["loader"]) + engine + priority + options,
     )
 
 
@@ -753,9 +754,14 @@ def _range(values: list[float], scale: float, spec: str) -> str:
 
 
 def default_configuration(row: Json) -> bool:
-    """A row that ran as a user's loader would: the C API where engines were compared, streams as built."""
+    """A row that ran as a user's loader would: C API, streams as built, no variant's extra arguments."""
     spec = row["spec"]
-    return row["status"] == "ok" and spec.get("engine") in ("", "capi") and spec.get("priority") != "default"
+    return (
+        row["status"] == "ok"
+        and spec.get("engine") in ("", "capi")
+        and spec.get("priority") != "default"
+        and not spec.get("options")
+    )
 
 
 def training_summary(results: Path) -> str:

@@ -51,6 +51,7 @@ from benchmarks.run import (
     command_line,
     hardware,
     record_failure,
+    threadloader_options,
 )
 from benchmarks.train_step import KINDS, Step, make_step, model_name, random_batch
 
@@ -80,12 +81,18 @@ class RowSpec:
     pipeline: str = "-"  # "-" for the fixed input, which has no pipeline
     priority: str = "high"  # ThreadLoader's reader streams: "high" (the library's) or "default"
     engine: str = ""  # ThreadLoader's: "capi" (nvImageCodec's C API) or "python" (its Python API)
+    options: dict[str, Any] = field(default_factory=dict)  # more ThreadLoader arguments (a variant row)
 
     @property
     def name(self) -> str:
         suffix = ", default stream priority" if self.priority == "default" else ""
         engine = f"[{self.engine}]" if self.engine else ""
-        return f"{self.loader}{engine}{suffix}"
+        return f"{self.loader}{engine}{suffix}{option_label(self.options)}"
+
+
+def option_label(options: dict[str, Any]) -> str:
+    """``" backend='split', ..."``: how a variant row's extra arguments are named ("" for none)."""
+    return "".join(f" {key}={value!r}" for key, value in options.items())
 
 
 @dataclass
@@ -148,6 +155,7 @@ def _loader(
             device=device,
             channels_last=True,
             engine=spec.engine or None,
+            options=spec.options,
             **pipeline,
         )
     files = list_images(args.root)
@@ -261,9 +269,16 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
                     specs.append(RowSpec(kind, loader, pipeline, engine=engine))
                     if loader == "threadloader" and args.priority == "both":
                         specs.append(RowSpec(kind, loader, pipeline, priority="default", engine=engine))
+                    if loader == "threadloader":
+                        specs.extend(
+                            RowSpec(kind, loader, pipeline, engine=engine, options=options)
+                            for options in args.threadloader_variant or ()
+                        )
     if args.priority == "default":
         specs = [
-            RowSpec(s.kind, s.loader, s.pipeline, "default", s.engine) if s.loader == "threadloader" else s
+            RowSpec(s.kind, s.loader, s.pipeline, "default", s.engine, s.options)
+            if s.loader == "threadloader"
+            else s
             for s in specs
         ]
     return specs
@@ -431,6 +446,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=(*PRIORITIES, "both"),
         default="high",
         help="ThreadLoader's reader stream priority; both: a row for each",
+    )
+    p.add_argument(
+        "--threadloader-variant",
+        type=threadloader_options,
+        action="append",
+        metavar="NAME=VALUE,...",
+        help="after each ThreadLoader row, one more with these arguments (repeatable), as "
+        "benchmarks.run's --threadloader-options",
     )
     p.add_argument("--row-timeout", type=float, help="seconds before a row's process is stopped")
     p.add_argument(

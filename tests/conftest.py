@@ -301,6 +301,7 @@ def set_up_on_a_gpu(**options: object) -> Setup:
         "backend": "auto",
         "decode_threads": None,
         "gpu_decoders": None,
+        "jpeg_fancy_upsampling": True,
         "max_pixels": None,
         "region_decode": None,
         "decoder": None,

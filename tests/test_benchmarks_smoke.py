@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -146,3 +147,27 @@ def test_decoders_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:
     result = run_benchmark("benchmarks.tools.decoders_beside", ["--no-beside"], tmp_path)
     assert result.returncode == 1
     assert "needs a CUDA device" in result.stderr
+
+
+def test_training_variants_add_a_named_threadloader_row_after_each_default_one() -> None:
+    """``--threadloader-variant`` rows carry their arguments to the loader, by name in the report, and
+    stay out of the README's summary of default configurations."""
+    from benchmarks import report, training
+
+    rows = ["--kinds", "eager", "--pipelines", "resize,augment", "--loaders", "fixed_input,threadloader"]
+    args = training.parse_args(
+        ["--device", "cpu", *rows, "--threadloader-variant", "prefetch=4,backend=split"]
+    )
+    specs = training.plan(args)
+    assert [(s.pipeline, s.loader, s.options) for s in specs] == [
+        ("-", "fixed_input", {}),
+        ("resize", "threadloader", {}),
+        ("resize", "threadloader", {"prefetch": 4, "backend": "split"}),
+        ("augment", "threadloader", {}),
+        ("augment", "threadloader", {"prefetch": 4, "backend": "split"}),
+    ]
+    variant = {"spec": dataclasses.asdict(specs[2]), "status": "ok"}
+    assert specs[2].name == "threadloader prefetch=4 backend='split'"
+    assert report.training_key(variant)[2].endswith(", prefetch=4, backend='split'")
+    assert not report.default_configuration(variant)
+    assert report.default_configuration({"spec": dataclasses.asdict(specs[1]), "status": "ok"})

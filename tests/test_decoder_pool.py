@@ -179,7 +179,8 @@ def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
     for caller in callers:
         caller.join(10)
     assert answers == ["python"] * 4
-    assert made == [("python", 0, "auto", 3)]  # tried again after the failure; made once for four callers
+    # Tried again after the failure; made once for four callers.
+    assert made == [("python", 0, "auto", 3, True)]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -265,7 +266,7 @@ def test_each_backend_asks_nvimgcodec_for_its_kinds(
     made: list[object] = []
     monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["backends"]))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    _engines.CApiEngine(None).new_decoder(0, backend, 2)  # type: ignore[arg-type]
+    _engines.CApiEngine(None).new_decoder(0, backend, 2, True)  # type: ignore[arg-type]
     (asked,) = made
     assert (None if asked is None else list(asked)) == kinds  # type: ignore[call-overload]
 
@@ -324,3 +325,89 @@ def test_bad_decoder_counts_are_refused_with_what_was_got(
     monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
     with pytest.raises(ValueError, match=re.escape(message)):
         set_up_on_a_gpu(**options)
+
+
+@pytest.mark.parametrize("fancy", [True, False])
+@pytest.mark.parametrize("engine", ["capi", "python"])
+def test_jpeg_fancy_upsampling_reaches_both_nvjpeg_decoders(
+    monkeypatch: pytest.MonkeyPatch, engine: str, fancy: bool
+) -> None:
+    """Off, both of nvJPEG's decoders get nvImageCodec's ``fancy_upsampling=0`` option (the names are
+    nvImageCodec 0.9's documented decoder ids); on, the options stay empty, its default."""
+    import contextlib
+    import types
+
+    import torch
+
+    from threadloader.decode import _capi, _engines
+
+    made: list[str] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    if engine == "capi":
+        monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["options"]))
+        _engines.CApiEngine(None).new_decoder(0, "split", 2, fancy)  # type: ignore[arg-type]
+    else:
+        fake = types.SimpleNamespace(
+            DecodeParams=lambda **_: None,
+            SRGB=0,
+            I_RGB=0,
+            Backend=lambda *args, **kwargs: None,
+            LoadHintPolicy=types.SimpleNamespace(FIXED=0),
+            HW_GPU_ONLY=4,
+            HYBRID_CPU_GPU=3,
+            Decoder=lambda **options: made.append(options["options"]),
+        )
+        _engines.PythonApiEngine(fake).new_decoder(0, "split", 2, fancy)  # type: ignore[arg-type]
+    (options,) = made
+    if fancy:
+        assert options == ""
+    else:
+        assert sorted(options.split()) == [
+            "nvjpeg_cuda_decoder:fancy_upsampling=0",
+            "nvjpeg_hw_decoder:fancy_upsampling=0",
+        ]
+
+
+def test_jpeg_fancy_upsampling_makes_pools_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag is part of a pool's key: a loader without fancy upsampling never leases a Decoder made
+    with it (nor its region pool), though both share device, backend and threads."""
+    import torch
+
+    from threadloader import _device, _options
+
+    made: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_device, "available_cpus", lambda: 16)
+    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
+    setup = set_up_on_a_gpu(jpeg_fancy_upsampling=False, region_decode=False)
+    decoder = setup.decoder
+    decoder._registry = DecoderRegistry(lambda *key: made.append(key) or object())  # type: ignore[attr-defined]
+    decoder._wanted = "python"  # type: ignore[attr-defined]  # no nvImageCodec here: the Python engine's name
+    monkeypatch.setattr(
+        "threadloader.decode.nvimgcodec.engine_named", lambda name: type("E", (), {"name": name})()
+    )
+    assert decoder._key == ("python", 0, "auto", 7, False)  # type: ignore[attr-defined]
+    assert decoder._region_key == ("python", 0, "hybrid", 7, False)  # type: ignore[attr-defined]
+    assert made == [("python", 0, "auto", 7, False)]
+
+
+@pytest.mark.parametrize("bad", [0, "no", None])
+def test_jpeg_fancy_upsampling_must_be_a_bool(monkeypatch: pytest.MonkeyPatch, bad: object) -> None:
+    import re
+
+    import torch
+
+    from threadloader import _options
+
+    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
+    with pytest.raises(
+        TypeError, match=re.escape(f"jpeg_fancy_upsampling must be True or False, got {bad!r}")
+    ):
+        set_up_on_a_gpu(jpeg_fancy_upsampling=bad)
+
+
+def test_jpeg_fancy_upsampling_is_refused_beside_a_decoder_of_ones_own() -> None:
+    from threadloader import ThreadLoader
+    from threadloader.decode.pillow import PillowDecoder
+
+    with pytest.raises(ValueError, match="jpeg_fancy_upsampling configure the built-in decoder"):
+        ThreadLoader([], decoder=PillowDecoder(), jpeg_fancy_upsampling=False)

@@ -12,6 +12,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,7 +280,7 @@ def test_a_pool_of_decoders_gives_pillows_pixels(backend: str) -> None:
                     assert gpu_mismatch(image, references[target]) is None, target
                     seen += 1
     assert seen == 3 * len(samples)
-    assert 1 <= registry.made((decoder.engine, 0, backend, 2)) <= 3
+    assert 1 <= registry.made((decoder.engine, 0, backend, 2, True)) <= 3
 
 
 def test_unsupported_by_gpu_falls_back_to_cpu() -> None:
@@ -465,7 +466,7 @@ def test_a_gpu_loader_is_built_at_once_and_warm_before_its_first_batch(image_fol
         ):
             time.sleep(0.01)
         key = loader._producer._decoder._key  # type: ignore[attr-defined]  # the engine its self-test chose
-        assert key[2:] == ("hybrid", threads)
+        assert key[2:] == ("hybrid", threads, True)
         assert nv.SHARED.made(key) >= 1  # the warm-up made this pool's Decoders
         assert loader.stats().samples == 0  # and counted nothing of the loader's
         assert built < 1.0, (
@@ -476,3 +477,35 @@ def test_a_gpu_loader_is_built_at_once_and_warm_before_its_first_batch(image_fol
         assert loader.stats().samples == 12
     finally:
         loader.close()
+
+
+def _two_by_two_colours(seed: int) -> np.ndarray:
+    """Random colours in 2x2 blocks: each block's chroma is one 4:2:0 sample, which repeating restores."""
+    blocks = np.random.default_rng(seed).integers(0, 256, (80, 96, 3), dtype=np.uint8)
+    return blocks.repeat(2, axis=0).repeat(2, axis=1)
+
+
+@pytest.mark.parametrize("backend", ["hybrid", "hardware", "split"])
+@pytest.mark.parametrize("engine", ["capi", "python"])
+def test_jpeg_fancy_upsampling_false_repeats_each_chroma_sample(
+    monkeypatch: pytest.MonkeyPatch, backend: str, engine: str
+) -> None:
+    """Off, each 4:2:0 chroma sample covers its 2x2 pixels (DALI's default, and the JPEG engine's fast
+    path); on (the default), chroma is interpolated between neighbours, as Pillow does.
+
+    The reference is the image encoded: its chroma is constant in 2x2 blocks, which repeating restores
+    (Pillow, upsampling smoothly, is off by about 26 levels on average) and interpolating does not.
+    """
+    monkeypatch.setenv("THREADLOADER_CAPI", "1" if engine == "capi" else "0")
+    originals = [_two_by_two_colours(seed) for seed in range(8)]
+    samples = [(encode(image, quality=100, subsampling=2), i) for i, image in enumerate(originals)]
+    expected = torch.from_numpy(np.stack(originals)).permute(0, 3, 1, 2).float()
+    errors = {}
+    for fancy in (True, False):
+        with ThreadLoader(
+            samples, batch_size=8, device="cuda", backend=backend, jpeg_fancy_upsampling=fancy
+        ) as loader:
+            ((images, _),) = list(loader)
+        errors[fancy] = float((images.cpu().float() - expected).abs().mean())
+    assert errors[False] < 4.0, errors
+    assert errors[True] > 10.0, errors

@@ -178,9 +178,9 @@ def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest
         def decode(self, sources, **kwargs):  # type: ignore[no-untyped-def]
             return [None] * len(sources)
 
-    def failing_regions(engine: str, index: int, backend: str, threads: int):  # type: ignore[no-untyped-def]
+    def failing_regions(engine: str, index: int, backend: str, threads: int, fancy: bool):  # type: ignore[no-untyped-def]
         if backend != nv_module.REGION_BACKEND:
-            return nv_module.new_decoder(engine, index, backend, threads)
+            return nv_module.new_decoder(engine, index, backend, threads, fancy)
         if engine == "python":
             return NoRegions()
         # A C API Decoder of kind GPU_ONLY: nvImageCodec 0.9 has no JPEG decoder of that kind.

@@ -1184,3 +1184,23 @@ def test_fifty_epochs_without_growth_in_resident_memory(blobs: list[bytes]) -> N
         stats = loader.stats()
     assert stats.samples == 50 * 12 and stats.batches == 50 * 3 and stats.errors == 0
     assert grown < 48 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 45 epochs"
+
+
+def test_ahead_counts_the_readers_held_back_by_a_slow_consumer() -> None:
+    """Readers idle with the prefetch window full show as ``ahead``; a consumer that never keeps them
+    waiting leaves it near zero. The slow consumer sleeps 50 ms a batch, far longer than a tiny batch
+    takes to make, so its one reader spends most of that time ahead."""
+    from .conftest import encode, photo
+
+    samples = [(encode(photo(8, 8, seed=i)), i) for i in range(24)]
+    pause, batches = 0.05, 12
+    with ThreadLoader(samples, batch_size=2, num_threads=1, prefetch=1, device="cpu") as loader:
+        for _ in loader:
+            time.sleep(pause)
+        slow = loader.stats().stage_seconds["ahead"]
+    assert slow > 0.5 * pause * (batches - 2), slow
+    with ThreadLoader(samples, batch_size=2, num_threads=1, prefetch=64, device="cpu") as loader:
+        for _ in loader:
+            pass
+        fast = loader.stats().stage_seconds["ahead"]
+    assert fast < 0.05, fast  # a window of 64 batches is never full over 12

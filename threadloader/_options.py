@@ -86,6 +86,7 @@ def set_up(
     backend: str,
     decode_threads: int | None,
     gpu_decoders: int | None,
+    jpeg_fancy_upsampling: bool,
     max_pixels: int | None,
     region_decode: bool | None,
     decoder: ImageDecoder | None,
@@ -106,12 +107,15 @@ def set_up(
             backend=backend,
             decode_threads=decode_threads,
             gpu_decoders=gpu_decoders,
+            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
             max_pixels=max_pixels,
             region_decode=region_decode,
         )
         return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output)
     resolved = resolve_device(device)
     threads = num_threads or default_num_threads(resolved)
+    if not isinstance(jpeg_fancy_upsampling, bool):
+        raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
     if decode_threads is not None and decode_threads < 1:
         raise ValueError(f"decode_threads must be at least 1 (or None for the default), got {decode_threads}")
     # A gpu_decoders that is not a positive int is refused by make_decoder, with the reason.
@@ -120,6 +124,7 @@ def set_up(
         resolved,
         backend=backend,
         cpu_threads=decode_threads or default_decode_threads(threads, min(threads, pool)),
+        fancy_upsampling=jpeg_fancy_upsampling,
         gpu_decoders=gpu_decoders,
         max_pixels=max_pixels,
         region_decode=region_decode_default() if region_decode is None else region_decode,
@@ -137,6 +142,7 @@ def _decoder_device(
     backend: str,
     decode_threads: int | None,
     gpu_decoders: int | None,
+    jpeg_fancy_upsampling: bool,
     max_pixels: int | None,
     region_decode: bool | None,
 ) -> torch.device:
@@ -147,6 +153,7 @@ def _decoder_device(
             ("backend", backend, "auto"),
             ("decode_threads", decode_threads, None),
             ("gpu_decoders", gpu_decoders, None),
+            ("jpeg_fancy_upsampling", jpeg_fancy_upsampling, True),
             ("max_pixels", max_pixels, DEFAULT_MAX_PIXELS),
             ("region_decode", region_decode, None),
         )

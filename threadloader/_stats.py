@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["STAGES", "LoaderStats", "StatsRecorder"]
 
-#: Stages whose host time is recorded, in data-path order. ``wait`` is the consumer blocked in ``next()``.
-STAGES = ("fetch", "read", "parse", "decode_lock", "decode", "fallback", "transform", "wait")
+#: Stages whose host time is recorded, in data-path order. ``ahead`` is a reader thread idle because its
+#: loader's ``prefetch`` window is full (the consumer is the slower side); ``wait`` is the consumer
+#: blocked in ``next()`` (the readers are).
+STAGES = ("fetch", "read", "parse", "decode_lock", "decode", "fallback", "transform", "ahead", "wait")
 
 
 @dataclass(frozen=True)

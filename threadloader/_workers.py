@@ -217,6 +217,8 @@ class OrderedPool(Generic[T]):
         num_threads: Threads to start; ``thread_index`` is ``0..num_threads-1``, stable per thread.
         window: Most tasks taken but not yet handed to the consumer (the memory bound).
         name: Prefix of the threads' names, to find them in a debugger or ``threading.enumerate()``.
+        on_ahead: Told the seconds a thread waited because ``window`` tasks were ahead of the consumer,
+            in that thread, outside the pool's lock: the time the consumer, not the work, held it up.
     """
 
     def __init__(
@@ -227,9 +229,11 @@ class OrderedPool(Generic[T]):
         num_threads: int,
         window: int,
         name: str,
+        on_ahead: Callable[[float], None] | None = None,
     ) -> None:
         self._tasks = tasks
         self._work = work
+        self._on_ahead = on_ahead
         self._window = max(window, 1)
         self._cv = threading.Condition()
         self._taken = 0  # tasks taken from the iterator so far
@@ -299,11 +303,19 @@ class OrderedPool(Generic[T]):
             self._results.clear()
             self._cv.notify_all()
 
+    def _full(self) -> bool:
+        """Whether ``window`` tasks are taken and not yet handed out (call with the lock held)."""
+        return self._taken >= self._handed + self._window
+
     def _run(self, index: int) -> None:
         while True:
+            ahead = 0.0
             with self._cv:
-                while not self.closed and self._end is None and self._taken >= self._handed + self._window:
-                    self._cv.wait()
+                if self._full():
+                    started = time.perf_counter()
+                    while not self.closed and self._end is None and self._full():
+                        self._cv.wait()
+                    ahead = time.perf_counter() - started
                 if self.closed or self._end is not None:
                     return
                 seq = self._taken
@@ -319,6 +331,8 @@ class OrderedPool(Generic[T]):
                     self._cv.notify_all()
                     return
                 self._taken += 1
+            if ahead and self._on_ahead is not None:
+                self._on_ahead(ahead)
             try:
                 result: tuple[bool, Any] = (True, self._work(task, index))
             except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below

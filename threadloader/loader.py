@@ -112,6 +112,11 @@ class ThreadLoader:
             each called by one reader thread at a time; made only when the others are busy. Pools are
             process-wide, shared by loaders of one configuration, and random-crop regions have a pool
             of their own. Default: 2, the fastest measured (docs/design.md). Ignored on the CPU.
+        jpeg_fancy_upsampling: Upsample JPEG chroma smoothly, as Pillow and libjpeg do (the default), so
+            GPU and CPU outputs agree. ``False`` (DALI's default) repeats each chroma sample instead:
+            pixels at colour edges differ from Pillow's by a few levels, and the GPU's JPEG engine
+            (``backend="split"``, ``"all"`` or ``"hardware"``) decodes about twice as fast, since it
+            then decodes a batch in one call. Ignored on the CPU.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches, and each image of a
             call is in device memory at once). Default 64 on a GPU (or ``batch_size``, if larger),
@@ -128,8 +133,8 @@ class ThreadLoader:
             ``THREADLOADER_REGION_DECODE`` is ``0`` when the loader is built.
         decoder: An :class:`~threadloader.decode.ImageDecoder` to decode with instead of the one
             ``device`` and ``backend`` choose; ``device`` is then its device, and ``backend``,
-            ``decode_threads``, ``gpu_decoders``, ``max_pixels`` and ``region_decode`` (which configure
-            the built-in decoders) must be left unset.
+            ``decode_threads``, ``gpu_decoders``, ``jpeg_fancy_upsampling``, ``max_pixels`` and
+            ``region_decode`` (which configure the built-in decoders) must be left unset.
         collate_fn: Makes a batch's ``targets`` from the list of its samples' targets, in batch order
             (``None`` each, for a source without targets), in a reader thread: ``list`` keeps detection
             boxes of different counts as they are. Unlike DataLoader's, it sees only the targets: the
@@ -176,6 +181,7 @@ class ThreadLoader:
         backend: str = "auto",
         decode_threads: int | None = None,
         gpu_decoders: int | None = None,
+        jpeg_fancy_upsampling: bool = True,
         decode_batch_size: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         transform: Transform | Sequence[Transform] | None = None,
@@ -236,6 +242,7 @@ class ThreadLoader:
             backend=backend,
             decode_threads=decode_threads,
             gpu_decoders=gpu_decoders,
+            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
             max_pixels=max_pixels,
             region_decode=region_decode,
             decoder=decoder,
@@ -310,6 +317,7 @@ class ThreadLoader:
                 num_threads=self.num_threads,
                 window=self.num_threads * self.prefetch,
                 name=f"threadloader-e{epoch}",
+                on_ahead=functools.partial(self._stats.add_time, "ahead"),
             )
             iterator = _EpochIterator(self, pool, epoch, progress, drop=drop)
             self._iterators.add(iterator)

@@ -119,6 +119,8 @@ class BatchDecoder:
             free, shared by the Decoders they decode on at once (``gpu_decoders``, at most one per
             worker).
         gpu_decoders: Most nvImageCodec Decoders decoding at once, as for :class:`ThreadLoader`.
+        jpeg_fancy_upsampling: Smooth JPEG chroma upsampling, as Pillow's (the default), as for
+            :class:`ThreadLoader`.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels fails its
             request, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
         transform: Deterministic transforms applied to every image after decoding, as for
@@ -150,6 +152,7 @@ class BatchDecoder:
         backend: str = "auto",
         decode_threads: int | None = None,
         gpu_decoders: int | None = None,
+        jpeg_fancy_upsampling: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         transform: Transform | Sequence[Transform] | None = None,
         region_decode: bool | None = None,
@@ -181,6 +184,7 @@ class BatchDecoder:
             backend=backend,
             decode_threads=decode_threads,
             gpu_decoders=gpu_decoders,
+            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
             max_pixels=max_pixels,
             region_decode=region_decode,
             decoder=decoder,

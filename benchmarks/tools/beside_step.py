@@ -146,8 +146,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _busy(stages: dict[str, float], readers: int, batch_ms: float) -> float:
-    """Reader milliseconds in timed stages per reader millisecond (``wait`` is the consumer's, not theirs)."""
-    return round(sum(ms for stage, ms in stages.items() if stage != "wait") / (readers * batch_ms), 3)
+    """Reader milliseconds in working stages per reader millisecond.
+
+    ``ahead`` is the readers idle with the window full, ``wait`` the consumer's own time, neither work.
+    """
+    work = sum(ms for stage, ms in stages.items() if stage not in ("ahead", "wait"))
+    return round(work / (readers * batch_ms), 3)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

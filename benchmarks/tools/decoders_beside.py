@@ -77,6 +77,7 @@ def _run(
     chunk: int,
     passes: int,
     step: Callable[[], None] | None,
+    priority: int = 0,
 ) -> tuple[float, int, int, float]:
     """Decodes ``passes`` over ``blobs``; returns (images/s, images decoded, steps run, seconds)."""
     params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.SRGB, sample_format=nv.I_RGB)
@@ -84,7 +85,7 @@ def _run(
     others = engines < len(kinds)
     queue = _Queue(blobs, chunk, passes, engines, others)
     counts = [0] * len(kinds)
-    streams = [torch.cuda.Stream() for _ in kinds]
+    streams = [torch.cuda.Stream(priority=priority) for _ in kinds]
 
     def work(i: int) -> None:
         engine = kinds[i] == ENGINE
@@ -144,19 +145,31 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             sharing = sum(kind != ENGINE for kind in kinds) or 1  # the engine's threads use little CPU
             decoders = [
                 nv.Decoder(
-                    device_id=0, max_num_cpu_threads=max(2, args.cpu // sharing), backends=_backends(nv, k)
+                    device_id=0,
+                    max_num_cpu_threads=max(2, args.cpu // sharing),
+                    backends=_backends(nv, k),
+                    options=args.options,
                 )
                 for k in kinds
             ]
             for decoder in decoders:  # warm-up
                 decoder.decode(blobs[:64], cuda_stream=torch.cuda.current_stream().cuda_stream)
             for chunk in (int(c) for c in args.chunks.split(",")):
-                rate, decoded, _, _ = _run(nv, decoders, kinds, blobs, chunk=chunk, passes=2, step=None)
-                row: dict[str, Any] = {"set": name, "config": config, "chunk": chunk, "alone": round(rate)}
+                rate, decoded, _, _ = _run(
+                    nv, decoders, kinds, blobs, chunk=chunk, passes=2, step=None, priority=args.priority
+                )
+                row: dict[str, Any] = {
+                    "set": name,
+                    "config": config,
+                    "chunk": chunk,
+                    "options": args.options,
+                    "priority": args.priority,
+                    "alone": round(rate),
+                }
                 line = f"{name:6} {config:40} chunk {chunk:3}: alone {rate:8,.0f} img/s ({decoded})"
                 if step is not None:
                     rate, decoded, steps, seconds = _run(
-                        nv, decoders, kinds, blobs, chunk=chunk, passes=4, step=step
+                        nv, decoders, kinds, blobs, chunk=chunk, passes=4, step=step, priority=args.priority
                     )
                     ms = seconds / max(1, steps) * 1e3
                     row |= {
@@ -184,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunks", default="32,64", help="images per decode call")
     p.add_argument(
         "--cpu", type=int, default=14, help="nvImageCodec CPU threads, shared by the non-engine Decoders"
+    )
+    p.add_argument("--options", default="", help="nvImageCodec's options string for every Decoder")
+    p.add_argument(
+        "--priority", type=int, default=0, help="CUDA stream priority of the decode calls (-1: high)"
     )
     p.add_argument("--no-beside", action="store_true", help="only alone, no training step")
     p.add_argument("--out", type=Path)

@@ -34,6 +34,7 @@ __all__ = [
     "Headers",
     "Memory",
     "PythonApiEngine",
+    "decoder_options",
 ]
 
 #: Share of each batch the JPEG engine takes under ``backend="split"``: DALI's ``hw_decoder_load`` default.
@@ -44,6 +45,22 @@ HARDWARE_SHARE = 0.65
 #: nvJPEG's CUDA decoder kept most of its speed, and alone the two were as fast on photos of ImageNet's
 #: sizes (docs/design.md, "Decoder engines", has the measurements).
 _ALL_BUT_THE_ENGINE = (("GPU_ONLY", 1.0), ("HYBRID_CPU_GPU", 1.0), ("CPU_ONLY", 1.0))
+
+#: nvJPEG's option that turns smooth (interpolated) chroma upsampling off, for both of its decoders.
+_NO_FANCY_UPSAMPLING = "nvjpeg_cuda_decoder:fancy_upsampling=0 nvjpeg_hw_decoder:fancy_upsampling=0"
+
+
+def decoder_options(*, fancy_upsampling: bool) -> str:
+    """nvImageCodec's options string for a Decoder.
+
+    nvImageCodec upsamples JPEG chroma smoothly by default, as libjpeg and Pillow do. With that on, its
+    JPEG engine decodes a batch of mixed chroma subsamplings one image at a time, waiting for the GPU
+    after each (nvImageCodec 0.9's "batch-single" path), at about half its speed alone and a fraction
+    of it beside a busy GPU; off, it decodes the batch in one call, as DALI does by default
+    (``jpeg_fancy_upsampling=False``). docs/benchmarks.md has the measurements.
+    """
+    return "" if fancy_upsampling else _NO_FANCY_UPSAMPLING
+
 
 #: Accepted ``backend=`` values: the nvImageCodec backend kinds each allows, with their load hints
 #: (the share of a batch each takes); ``None``: all of them, nvImageCodec choosing per image.
@@ -140,8 +157,11 @@ class Engine(ABC):
     name: str
 
     @abstractmethod
-    def new_decoder(self, device_index: int, backend: str, cpu_threads: int) -> Any:
-        """A new Decoder on the device, limited to ``backend``'s kinds (see :data:`BACKENDS`)."""
+    def new_decoder(self, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
+        """A new Decoder on the device, limited to ``backend``'s kinds (see :data:`BACKENDS`).
+
+        ``fancy_upsampling``: smooth JPEG chroma upsampling, as Pillow's (see :func:`decoder_options`).
+        """
 
     @abstractmethod
     def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
@@ -160,12 +180,18 @@ class CApiEngine(Engine):
         self._instance = instance
         self._local = threading.local()
 
-    def new_decoder(self, device_index: int, backend: str, cpu_threads: int) -> _capi.Decoder:
+    def new_decoder(
+        self, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool
+    ) -> _capi.Decoder:
         kinds = BACKENDS[backend]
         backends = None if kinds is None else [(getattr(_capi, kind), hint) for kind, hint in kinds]
         with torch.cuda.device(device_index):
             return _capi.Decoder(
-                self._instance, device_id=device_index, backends=backends, cpu_threads=cpu_threads
+                self._instance,
+                device_id=device_index,
+                backends=backends,
+                cpu_threads=cpu_threads,
+                options=decoder_options(fancy_upsampling=fancy_upsampling),
             )
 
     def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
@@ -251,7 +277,7 @@ class PythonApiEngine(Engine):
             apply_exif_orientation=True, color_spec=nvimgcodec.SRGB, sample_format=nvimgcodec.I_RGB
         )
 
-    def new_decoder(self, device_index: int, backend: str, cpu_threads: int) -> Any:
+    def new_decoder(self, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
         nv, kinds = self._nv, BACKENDS[backend]
         backends = None
         if kinds is not None:
@@ -260,7 +286,12 @@ class PythonApiEngine(Engine):
                 for kind, hint in kinds
             ]
         with torch.cuda.device(device_index):
-            return nv.Decoder(device_id=device_index, max_num_cpu_threads=cpu_threads, backends=backends)
+            return nv.Decoder(
+                device_id=device_index,
+                max_num_cpu_threads=cpu_threads,
+                backends=backends,
+                options=decoder_options(fancy_upsampling=fancy_upsampling),
+            )
 
     def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
         return _PythonBatch(self._nv, self._params, encoded)

@@ -17,8 +17,8 @@ import torch
 
 __all__ = ["DecoderKey", "DecoderRegistry"]
 
-#: ``(engine, device index, backend, CPU threads)``: what a Decoder is made for and by.
-DecoderKey = tuple[str, int, str, int]
+#: ``(engine, device index, backend, CPU threads, fancy upsampling)``: what a Decoder is made for and by.
+DecoderKey = tuple[str, int, str, int, bool]
 
 
 class DecoderRegistry:

@@ -123,9 +123,11 @@ def engine_named(name: str) -> Engine:
     raise ValueError(f"engine must be one of {ENGINES}, got {name!r}")
 
 
-def new_decoder(engine: str, device_index: int, backend: str, cpu_threads: int) -> object:
+def new_decoder(
+    engine: str, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool
+) -> object:
     """A new Decoder of ``engine`` on the device, limited to ``backend``'s kinds: the pools' factory."""
-    return engine_named(engine).new_decoder(device_index, backend, cpu_threads)
+    return engine_named(engine).new_decoder(device_index, backend, cpu_threads, fancy_upsampling)
 
 
 def check_options(*, backend: str, gpu_decoders: object) -> None:
@@ -197,12 +199,14 @@ class NvImageCodecDecoder(ImageDecoder):
         device: An indexed CUDA device.
         backend: One of :data:`BACKENDS`.
         cpu_threads: nvImageCodec's own CPU threads.
+        fancy_upsampling: Smooth JPEG chroma upsampling, as Pillow's; off, nvImageCodec's JPEG engine
+            decodes a batch in one call (see ``_engines.decoder_options``).
         max_pixels: Images whose header declares more pixels are errors, decoded by nobody.
         region_decode: Decode the region a random crop asks for instead of the whole image (where the
             device passes the region check).
         gpu_decoders: Most Decoders this decoder makes for its configuration (engine, device, backend,
-            CPU threads), each called by one thread at a time. The pool is process-wide: decoders of
-            one configuration share it, and regions have a pool of their own.
+            CPU threads, upsampling), each called by one thread at a time. The pool is process-wide:
+            decoders of one configuration share it, and regions have a pool of their own.
         engine: ``"capi"`` or ``"python"`` (:data:`ENGINES`); ``None``: the C API, unless
             ``THREADLOADER_CAPI=0`` (read here), where it loads and passes its self-test on the device
             (once per process), else the Python API, with a warning saying why. Chosen, and the first
@@ -217,6 +221,7 @@ class NvImageCodecDecoder(ImageDecoder):
         *,
         backend: str = "auto",
         cpu_threads: int,
+        fancy_upsampling: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         region_decode: bool = True,
         gpu_decoders: int = DEFAULT_GPU_DECODERS,
@@ -235,6 +240,7 @@ class NvImageCodecDecoder(ImageDecoder):
         self._registry = registry
         self._gpu_decoders = gpu_decoders
         self._cpu_threads = cpu_threads
+        self._fancy_upsampling = bool(fancy_upsampling)
         if engine is None:  # the environment is read now, as the rest of the configuration
             engine = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
         self._wanted = engine
@@ -261,11 +267,13 @@ class NvImageCodecDecoder(ImageDecoder):
                 engine = self._choose_engine(self._wanted)
                 index = self.device.index
                 assert index is not None
-                key: DecoderKey = (engine.name, index, self._backend, self._cpu_threads)
+                fancy = self._fancy_upsampling
+                key: DecoderKey = (engine.name, index, self._backend, self._cpu_threads, fancy)
                 self._registry.release(key, self._registry.acquire(key, self._gpu_decoders))
                 mixed = self._backend in ("auto", "all", "split")  # several kinds: regions take the fastest
                 region_backend = REGION_BACKEND if mixed else self._backend
-                self._prepared = (engine, key, (engine.name, index, region_backend, self._cpu_threads))
+                region_key: DecoderKey = (engine.name, index, region_backend, self._cpu_threads, fancy)
+                self._prepared = (engine, key, region_key)
             return self._prepared
 
     @property
@@ -301,7 +309,8 @@ class NvImageCodecDecoder(ImageDecoder):
         shows as a refused call, wrong pixels or a touched guard byte.
         """
         try:
-            key = (engine.name, self.device.index, "auto", self._cpu_threads)  # the default's pool: warmed
+            # The default backend's pool, which the warm-up fills anyway.
+            key = (engine.name, self.device.index, "auto", self._cpu_threads, self._fancy_upsampling)
             reason = _self_test(engine, self._registry, key, self._gpu_decoders, self.device)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
