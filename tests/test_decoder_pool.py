@@ -329,11 +329,11 @@ def test_bad_decoder_counts_are_refused_with_what_was_got(
 
 @pytest.mark.parametrize("fancy", [True, False])
 @pytest.mark.parametrize("engine", ["capi", "python"])
-def test_jpeg_fancy_upsampling_reaches_both_nvjpeg_decoders(
+def test_jpeg_fancy_upsampling_reaches_every_jpeg_decoder(
     monkeypatch: pytest.MonkeyPatch, engine: str, fancy: bool
 ) -> None:
-    """Off, both of nvJPEG's decoders get nvImageCodec's ``fancy_upsampling=0`` option (the names are
-    nvImageCodec 0.9's documented decoder ids); on, the options stay empty, its default."""
+    """Off, nvJPEG's two decoders and the CPU one get nvImageCodec's ``fancy_upsampling=0`` option (the
+    names are nvImageCodec 0.9's documented decoder ids); on, the options stay empty, its default."""
     import contextlib
     import types
 
@@ -363,6 +363,7 @@ def test_jpeg_fancy_upsampling_reaches_both_nvjpeg_decoders(
         assert options == ""
     else:
         assert sorted(options.split()) == [
+            "libjpeg_turbo_decoder:fancy_upsampling=0",
             "nvjpeg_cuda_decoder:fancy_upsampling=0",
             "nvjpeg_hw_decoder:fancy_upsampling=0",
         ]
@@ -411,3 +412,14 @@ def test_jpeg_fancy_upsampling_is_refused_beside_a_decoder_of_ones_own() -> None
 
     with pytest.raises(ValueError, match="jpeg_fancy_upsampling configure the built-in decoder"):
         ThreadLoader([], decoder=PillowDecoder(), jpeg_fancy_upsampling=False)
+    with pytest.raises(TypeError, match="jpeg_fancy_upsampling must be True or False, got 1"):
+        ThreadLoader([], decoder=PillowDecoder(), jpeg_fancy_upsampling=1)  # type: ignore[arg-type]
+
+
+def test_the_gpu_decoder_takes_only_a_bool_for_upsampling() -> None:
+    import torch
+
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    with pytest.raises(TypeError, match="fancy_upsampling must be True or False, got 'no'"):
+        NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=1, fancy_upsampling="no")  # type: ignore[arg-type]

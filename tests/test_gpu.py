@@ -485,7 +485,7 @@ def _two_by_two_colours(seed: int) -> np.ndarray:
     return blocks.repeat(2, axis=0).repeat(2, axis=1)
 
 
-@pytest.mark.parametrize("backend", ["hybrid", "hardware", "split"])
+@pytest.mark.parametrize("backend", ["hybrid", "hardware", "split", "cpu"])
 @pytest.mark.parametrize("engine", ["capi", "python"])
 def test_jpeg_fancy_upsampling_false_repeats_each_chroma_sample(
     monkeypatch: pytest.MonkeyPatch, backend: str, engine: str
@@ -506,6 +506,7 @@ def test_jpeg_fancy_upsampling_false_repeats_each_chroma_sample(
             samples, batch_size=8, device="cuda", backend=backend, jpeg_fancy_upsampling=fancy
         ) as loader:
             ((images, _),) = list(loader)  # a list: no size to stack them at
+            assert loader._producer._decoder.engine == engine  # type: ignore[attr-defined]  # no fallback
         decoded = torch.stack([image.cpu() for image in images]).float()
         errors[fancy] = float((decoded - expected).abs().mean())
     assert errors[False] < 4.0, errors

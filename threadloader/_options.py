@@ -100,6 +100,8 @@ def set_up(
     )
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    if not isinstance(jpeg_fancy_upsampling, bool):
+        raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
     if decoder is not None:
         resolved = _decoder_device(
             decoder,
@@ -114,8 +116,6 @@ def set_up(
         return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output)
     resolved = resolve_device(device)
     threads = num_threads or default_num_threads(resolved)
-    if not isinstance(jpeg_fancy_upsampling, bool):
-        raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
     if decode_threads is not None and decode_threads < 1:
         raise ValueError(f"decode_threads must be at least 1 (or None for the default), got {decode_threads}")
     # A gpu_decoders that is not a positive int is refused by make_decoder, with the reason.

@@ -40,7 +40,7 @@ def require_fsspec(url: str) -> Any:
         ImportError: If fsspec is not installed.
     """
     try:
-        import fsspec  # type: ignore[import-untyped]
+        import fsspec
     except ImportError as exc:
         raise ImportError(
             f"reading {url!r} needs fsspec: pip install 'threadloader[remote]' (plus the protocol's own "

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 __all__ = ["STAGES", "LoaderStats", "StatsRecorder"]
 
 #: Stages whose host time is recorded, in data-path order. ``ahead`` is a reader thread idle because its
-#: loader's ``prefetch`` window is full (the consumer is the slower side); ``wait`` is the consumer
-#: blocked in ``next()`` (the readers are).
+#: loader's ``prefetch`` window is full: the consumer is slower, or the oldest batch is still being made
+#: while later ones are done (batches go out in order); ``wait`` is the consumer blocked in ``next()``.
+#: A :class:`~threadloader.BatchDecoder` has neither: both stay 0 in its stats.
 STAGES = ("fetch", "read", "parse", "decode_lock", "decode", "fallback", "transform", "ahead", "wait")
 
 

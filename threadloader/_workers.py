@@ -217,8 +217,9 @@ class OrderedPool(Generic[T]):
         num_threads: Threads to start; ``thread_index`` is ``0..num_threads-1``, stable per thread.
         window: Most tasks taken but not yet handed to the consumer (the memory bound).
         name: Prefix of the threads' names, to find them in a debugger or ``threading.enumerate()``.
-        on_ahead: Told the seconds a thread waited because ``window`` tasks were ahead of the consumer,
-            in that thread, outside the pool's lock: the time the consumer, not the work, held it up.
+        on_ahead: Told the seconds a thread waited because ``window`` tasks were taken and not yet
+            handed out, in that thread, outside the pool's lock: a consumer slower than the threads,
+            or an oldest task still in the works while later ones are done (results go out in order).
     """
 
     def __init__(
@@ -307,9 +308,14 @@ class OrderedPool(Generic[T]):
         """Whether ``window`` tasks are taken and not yet handed out (call with the lock held)."""
         return self._taken >= self._handed + self._window
 
-    def _run(self, index: int) -> None:
-        while True:
-            ahead = 0.0
+    def _take(self) -> tuple[int, Any] | None:
+        """The next task and its place, once the window has room; ``None`` when the thread should end.
+
+        A wait for room is told to ``on_ahead`` after the lock is released, also when the tasks ran out
+        meanwhile, and not when the pool was closed.
+        """
+        ahead = 0.0
+        try:
             with self._cv:
                 if self._full():
                     started = time.perf_counter()
@@ -317,22 +323,28 @@ class OrderedPool(Generic[T]):
                         self._cv.wait()
                     ahead = time.perf_counter() - started
                 if self.closed or self._end is not None:
-                    return
+                    return None
                 seq = self._taken
                 try:
                     task = next(self._tasks)
                 except StopIteration:
                     self._end = seq
                     self._cv.notify_all()
-                    return
+                    return None
                 except BaseException as exc:
                     self._results[seq] = (False, exc)
                     self._taken = self._end = seq + 1
                     self._cv.notify_all()
-                    return
+                    return None
                 self._taken += 1
-            if ahead and self._on_ahead is not None:
+                return seq, task
+        finally:
+            if ahead and not self.closed and self._on_ahead is not None:
                 self._on_ahead(ahead)
+
+    def _run(self, index: int) -> None:
+        while (taken := self._take()) is not None:
+            seq, task = taken
             try:
                 result: tuple[bool, Any] = (True, self._work(task, index))
             except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below

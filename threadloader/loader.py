@@ -115,8 +115,9 @@ class ThreadLoader:
         jpeg_fancy_upsampling: Upsample JPEG chroma smoothly, as Pillow and libjpeg do (the default), so
             GPU and CPU outputs agree. ``False`` (DALI's default) repeats each chroma sample instead:
             pixels at colour edges differ from Pillow's by a few levels, and the GPU's JPEG engine
-            (``backend="split"``, ``"all"`` or ``"hardware"``) decodes about twice as fast, since it
-            then decodes a batch in one call. Ignored on the CPU.
+            (``backend="split"``, ``"all"`` or ``"hardware"``) decodes batches that mix chroma
+            subsamplings, as photo collections do, about twice as fast, in one call instead of image by
+            image. Ignored on the CPU and for images Pillow decodes instead, which stay smooth.
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches, and each image of a
             call is in device memory at once). Default 64 on a GPU (or ``batch_size``, if larger),

@@ -68,7 +68,8 @@ class ServiceStats:
         latency_ms_p90: 90th percentile, likewise.
         latency_ms_p99: 99th percentile, likewise.
         cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
-        stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``).
+        stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``;
+            ``ahead`` and ``wait``, a loader's prefetch window and its consumer, stay 0 here).
     """
 
     queue_depth: int = 0

@@ -142,7 +142,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # for data, the readers wait for something no stage times (the window, a lock).
         "readers_busy_beside": _busy(beside, readers, step_ms),
         "readers_busy_alone": _busy(alone, readers, alone_s / steps * 1e3),
-        # The share of their time the readers sat with the prefetch window full: the consumer was late.
+        # The share of their time the readers sat with the prefetch window full (see STAGES).
         "readers_ahead_beside": round(beside["ahead"] / (readers * step_ms), 3),
     }
 

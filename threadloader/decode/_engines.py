@@ -46,8 +46,12 @@ HARDWARE_SHARE = 0.65
 #: sizes (docs/design.md, "Decoder engines", has the measurements).
 _ALL_BUT_THE_ENGINE = (("GPU_ONLY", 1.0), ("HYBRID_CPU_GPU", 1.0), ("CPU_ONLY", 1.0))
 
-#: nvJPEG's option that turns smooth (interpolated) chroma upsampling off, for both of its decoders.
-_NO_FANCY_UPSAMPLING = "nvjpeg_cuda_decoder:fancy_upsampling=0 nvjpeg_hw_decoder:fancy_upsampling=0"
+#: The option that turns smooth (interpolated) chroma upsampling off, for each of nvImageCodec's JPEG
+#: decoders: nvJPEG's two and its CPU decoder (libjpeg-turbo).
+_NO_FANCY_UPSAMPLING = " ".join(
+    f"{decoder}:fancy_upsampling=0"
+    for decoder in ("nvjpeg_cuda_decoder", "nvjpeg_hw_decoder", "libjpeg_turbo_decoder")
+)
 
 
 def decoder_options(*, fancy_upsampling: bool) -> str:
@@ -57,7 +61,8 @@ def decoder_options(*, fancy_upsampling: bool) -> str:
     JPEG engine decodes a batch of mixed chroma subsamplings one image at a time, waiting for the GPU
     after each (nvImageCodec 0.9's "batch-single" path), at about half its speed alone and a fraction
     of it beside a busy GPU; off, it decodes the batch in one call, as DALI does by default
-    (``jpeg_fancy_upsampling=False``). docs/benchmarks.md has the measurements.
+    (``jpeg_fancy_upsampling=False``). docs/benchmarks.md has the measurements. Images that Pillow
+    decodes instead (those nvImageCodec gives up on) are upsampled smoothly either way.
     """
     return "" if fancy_upsampling else _NO_FANCY_UPSAMPLING
 

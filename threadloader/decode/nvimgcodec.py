@@ -240,7 +240,9 @@ class NvImageCodecDecoder(ImageDecoder):
         self._registry = registry
         self._gpu_decoders = gpu_decoders
         self._cpu_threads = cpu_threads
-        self._fancy_upsampling = bool(fancy_upsampling)
+        if not isinstance(fancy_upsampling, bool):
+            raise TypeError(f"fancy_upsampling must be True or False, got {fancy_upsampling!r}")
+        self._fancy_upsampling = fancy_upsampling
         if engine is None:  # the environment is read now, as the rest of the configuration
             engine = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
         self._wanted = engine
