@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 from PIL import Image
@@ -89,10 +90,19 @@ def _photos() -> tuple[Image.Image, ...]:
     return tuple(out)
 
 
+class _Common(TypedDict):
+    """The parameters both sets draw first, in this order."""
+
+    photo: int
+    scale: float
+    pos: tuple[float, float]
+    flip: bool
+
+
 def _spec(name: str, index: int, seed: int) -> _Spec:
     """Draw one image's parameters from an RNG keyed by (seed, index): independent of thread order."""
     rng = np.random.default_rng([seed, index])
-    common = {
+    common: _Common = {
         "photo": int(rng.integers(len(_PHOTOS))),  # random, so every class (and batch) mixes content
         "scale": float(rng.uniform(0.8, 1.25)),
         "pos": (float(rng.random()), float(rng.random())),
@@ -193,7 +203,7 @@ def ensure_dataset(name: str, *, count: int, root: Path | None = None, seed: int
     return target
 
 
-def list_images(root: Path) -> list[tuple[Path, int]]:
+def list_images(root: str | os.PathLike[str]) -> list[tuple[Path, int]]:
     """(path, class index) pairs in ImageFolder order: sorted class dirs, then sorted files."""
     classes = sorted(p for p in Path(root).iterdir() if p.is_dir())
     return [(f, label) for label, d in enumerate(classes) for f in sorted(d.glob("*.jpg"))]

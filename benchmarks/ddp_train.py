@@ -106,7 +106,8 @@ def build_model(name: str, device: torch.device) -> nn.Module:
             nn.Flatten(),
             nn.Linear(8, CLASSES),
         )
-    return model.to(device, memory_format=torch.channels_last)
+    # torch's stubs leave memory_format out of Module.to's overloads
+    return model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]
 
 
 class Trainer:

@@ -148,7 +148,7 @@ def _threadloader(
                 if stop.is_set():
                     break
         finally:
-            stream.close()  # type: ignore[attr-defined]  # a generator
+            stream.close()
 
     return run
 

@@ -13,9 +13,9 @@ import contextlib
 import itertools
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 Batch = tuple[torch.Tensor, torch.Tensor]
 Files = Sequence[tuple[Path, int]]
 Size = tuple[int, int]  # (height, width)
+T = TypeVar("T")
 
 BACKENDS = ("default", "hw", "hybrid")
 
@@ -175,7 +176,7 @@ def pil_dataloader(
     augment: bool = False,
     normalize: bool = False,
     on_built: Callable[[], None] | None = None,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking.
 
     ``normalize``: ImageNet's mean and std, in this process after the copy (so workers send ``uint8``).
@@ -268,7 +269,7 @@ def spawn_collate_nvimgcodec(
     augment: bool = False,
     normalize: bool = False,
     on_built: Callable[[], None] | None = None,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """Spawned workers decode on the GPU; CUDA batches reach this process through CUDA IPC."""
     _require_cuda(device)
     import_optional("nvidia.nvimgcodec")
@@ -301,7 +302,7 @@ def single_decoder_ceiling(
     device: str,
     crop: str | None = None,
     normalize: bool = False,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """One thread, one Decoder, no file I/O: what a single serialized Decoder can deliver.
 
     ``crop`` (the ``--augment`` rows: RandomResizedCrop, flip and normalize, as ThreadLoader's):
@@ -336,7 +337,7 @@ def single_decoder_ceiling(
 
 def torchvision_gpu(
     files: Files, *, size: Size, batch_size: int, device: str, augment: bool = False, normalize: bool = False
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """torchvision's batched nvJPEG decode from one thread, over preloaded bytes; whole images only."""
     _require_cuda(device)
     io = import_optional("torchvision.io")
@@ -365,7 +366,7 @@ def dali(
     augment: bool = False,
     normalize: bool = False,
     on_built: Callable[[], None] | None = None,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """DALI's own pipeline over the directory, as its ResNet-50 examples build it.
 
     ``fn.readers.file`` (the class folders in sorted order, as ImageFolder), then on a GPU the
@@ -424,7 +425,7 @@ def dali(
 # --- threadloader --------------------------------------------------------------------------------
 
 
-def _epochs(loader: Iterable[Batch]) -> Iterator[Batch]:
+def _epochs(loader: Iterable[T]) -> Generator[T, None, None]:
     """Cycle an epoch-at-a-time iterable forever, refusing to spin on an empty one."""
     while True:
         count = 0
@@ -477,7 +478,7 @@ def threadloader(
     options: Mapping[str, Any] | None = None,
     engine: str | None = None,
     on_built: Callable[[], None] | None = None,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
     With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``

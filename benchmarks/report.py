@@ -44,8 +44,8 @@ class Row:
 
 
 #: The measurements summarized over repeats: median, min and max of the repeats that ran.
-MEASURES = ("images_per_s", "ms_per_batch", "startup_s", "cpu_cores", "extra_gpu_mb", "torch_reserved_mb")
-MEASURES += ("data_wait_frac",)
+MEASURES: tuple[str, ...] = ("images_per_s", "ms_per_batch", "startup_s", "cpu_cores", "extra_gpu_mb")
+MEASURES += ("torch_reserved_mb", "data_wait_frac")
 
 
 @dataclass(frozen=True)
@@ -543,7 +543,7 @@ def training_table(found: list[ResultFile]) -> list[str]:
                 continue
             wait = Spread.of(row["data_wait_frac"])
             cells += [windows(row["images_per_s"], ",.0f"), number(row.get("ratio"), ".2f", "x")]
-            cells.append(number(wait and 100 * wait.median, ".0f", "%"))
+            cells.append(number(100 * wait.median if wait else None, ".0f", "%"))
         body.append(cells)
     return table(header, body)
 

@@ -32,7 +32,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from importlib import metadata
@@ -79,7 +79,7 @@ class Case:
     name: str
     loader: str
     batch_size: int
-    make: Callable[[], Iterator[Batch]]
+    make: Callable[[], Generator[Batch, None, None]]
 
 
 def _sync(device: str) -> None:

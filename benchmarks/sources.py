@@ -26,11 +26,11 @@ import shutil
 import statistics
 import sys
 import tarfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -139,7 +139,7 @@ def threadloader_over(
     num_threads: int | None,
     device: str,
     index_seconds: dict[str, float],
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """A shuffled ThreadLoader over the source, epochs cycled; records a tar source's index time."""
     from threadloader import TarShards, ThreadLoader
 
@@ -155,8 +155,8 @@ def threadloader_over(
     ) as loader:
         if isinstance(loader.source, TarShards):
             index_seconds["index_s"] = loader.source.index_seconds
-        for images, targets in _epochs(loader):
-            yield images, targets.to(device, non_blocking=True)
+        for images, targets in _epochs(loader):  # with ``size`` set, images come stacked in one tensor
+            yield cast(torch.Tensor, images), targets.to(device, non_blocking=True)
 
 
 def _sync_step(device: str) -> Callable[[int], Callable[[Batch], None]]:

@@ -141,13 +141,20 @@ def _loader(
     size, device, b = OUTPUT_SIZE[SET], args.device, args.batch_size
     if spec.loader == "fixed_input":
         return fixed_input(size=size, batch_size=b, device=device)
-    pipeline = {"augment": spec.pipeline == "augment", "normalize": True, "on_built": on_built}
+    augment = spec.pipeline == "augment"
     if spec.loader == "dali":
-        return loaders.dali(  # type: ignore[return-value]
-            args.root, size=size, batch_size=b, workers=args.workers, device=device, **pipeline
+        return loaders.dali(
+            args.root,
+            size=size,
+            batch_size=b,
+            workers=args.workers,
+            device=device,
+            augment=augment,
+            normalize=True,
+            on_built=on_built,
         )
     if spec.loader == "threadloader":
-        return loaders.threadloader(  # type: ignore[return-value]
+        return loaders.threadloader(
             args.root,
             size=size,
             batch_size=b,
@@ -156,12 +163,21 @@ def _loader(
             channels_last=True,
             engine=spec.engine or None,
             options=spec.options,
-            **pipeline,
+            augment=augment,
+            normalize=True,
+            on_built=on_built,
         )
     files = list_images(args.root)
     factory = loaders.spawn_collate_nvimgcodec if spec.loader.startswith("spawn") else loaders.pil_dataloader
-    return factory(  # type: ignore[return-value]
-        files, size=size, batch_size=b, workers=args.workers, device=device, **pipeline
+    return factory(
+        files,
+        size=size,
+        batch_size=b,
+        workers=args.workers,
+        device=device,
+        augment=augment,
+        normalize=True,
+        on_built=on_built,
     )
 
 

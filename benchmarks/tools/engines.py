@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def engine_rows(
                 _decode_all(engine, part[:batch], params, batch, stream.cuda_stream)  # warm-up
             seconds, decoded = _timed_threads(
                 [
-                    lambda e=engine, s=stream, p=part: _decode_all(e, p, params, batch, s.cuda_stream)
+                    partial(_decode_all, engine, part, params, batch, stream.cuda_stream)
                     for engine, stream, part in zip(engines, streams, share, strict=True)
                 ]
             )
@@ -110,17 +111,17 @@ def engine_rows(
 
     # Reading: Python reads the file, then CodeStream(bytes); against CodeStream(path), read in C++.
     decoder = nv.Decoder()
-    stream = torch.cuda.Stream().cuda_stream
+    read_stream = torch.cuda.Stream().cuda_stream
     for label, make in (
         ("read in Python + CodeStream(bytes)", lambda p: nv.CodeStream(p.read_bytes())),
         ("CodeStream(path)", lambda p: nv.CodeStream(str(p))),
     ):
-        _decode_all(decoder, [make(p) for p in paths[:batch]], params, batch, stream)
+        _decode_all(decoder, [make(p) for p in paths[:batch]], params, batch, read_stream)
         torch.cuda.synchronize()
         started, decoded = time.perf_counter(), 0
         for start in range(0, len(paths), batch):
             decoded += _decode_all(
-                decoder, [make(p) for p in paths[start : start + batch]], params, batch, stream
+                decoder, [make(p) for p in paths[start : start + batch]], params, batch, read_stream
             )
         torch.cuda.synchronize()
         add(f"all, {label}", time.perf_counter() - started, decoded)

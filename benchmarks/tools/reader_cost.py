@@ -209,7 +209,7 @@ def make_sources(root: Path, count: int) -> dict[str, Any]:
         (root / "folder" / f"c{c}").mkdir(parents=True)
     shard = root / "000000.tar"
     memory = f"/reader-cost-{uuid.uuid4().hex}"
-    import fsspec  # type: ignore[import-untyped]
+    import fsspec
 
     fs = fsspec.filesystem("memory")
     urls = []
