@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -127,6 +127,14 @@ class TrainingRow:
 # --- one row, in its own process -------------------------------------------------------------------
 
 
+class _Pipeline(TypedDict):
+    """The arguments that make every loader's rows the same work."""
+
+    augment: bool
+    normalize: bool
+    on_built: Callable[[], None]
+
+
 def fixed_input(*, size: tuple[int, int], batch_size: int, device: str) -> Generator[Batch, None, None]:
     """The same batch forever, on the device and channels_last: the step with no loader (the ceiling)."""
     batch = random_batch(device=device, batch_size=batch_size, size=size)
@@ -141,17 +149,10 @@ def _loader(
     size, device, b = OUTPUT_SIZE[SET], args.device, args.batch_size
     if spec.loader == "fixed_input":
         return fixed_input(size=size, batch_size=b, device=device)
-    augment = spec.pipeline == "augment"
+    pipeline: _Pipeline = {"augment": spec.pipeline == "augment", "normalize": True, "on_built": on_built}
     if spec.loader == "dali":
         return loaders.dali(
-            args.root,
-            size=size,
-            batch_size=b,
-            workers=args.workers,
-            device=device,
-            augment=augment,
-            normalize=True,
-            on_built=on_built,
+            args.root, size=size, batch_size=b, workers=args.workers, device=device, **pipeline
         )
     if spec.loader == "threadloader":
         return loaders.threadloader(
@@ -163,22 +164,11 @@ def _loader(
             channels_last=True,
             engine=spec.engine or None,
             options=spec.options,
-            augment=augment,
-            normalize=True,
-            on_built=on_built,
+            **pipeline,
         )
     files = list_images(args.root)
     factory = loaders.spawn_collate_nvimgcodec if spec.loader.startswith("spawn") else loaders.pil_dataloader
-    return factory(
-        files,
-        size=size,
-        batch_size=b,
-        workers=args.workers,
-        device=device,
-        augment=augment,
-        normalize=True,
-        on_built=on_built,
-    )
+    return factory(files, size=size, batch_size=b, workers=args.workers, device=device, **pipeline)
 
 
 def _progress(message: str) -> None:
