@@ -134,6 +134,21 @@ def test_startup_phases_says_it_needs_a_gpu(tmp_path: Path) -> None:
     assert "needs a CUDA device" in result.stderr
 
 
+def test_startup_phases_links_only_the_extension_modules_asked_for(tmp_path: Path) -> None:
+    """``--extensions`` makes nvImageCodec load a folder of links to the chosen modules, no others."""
+    from benchmarks.tools.startup_phases import _linked
+
+    folder = tmp_path / "extensions"
+    folder.mkdir()
+    for name in ("libnvjpeg_ext.so.0.9.0", "libjpeg_turbo_ext.so.0.9.0", "libopencv_ext.so.0.9.0"):
+        (folder / name).write_bytes(name.encode())
+    links = _linked(folder, ["nvjpeg", "jpeg_turbo"])
+    assert sorted(p.name for p in links.iterdir()) == ["libjpeg_turbo_ext.so.0.9.0", "libnvjpeg_ext.so.0.9.0"]
+    assert (links / "libnvjpeg_ext.so.0.9.0").resolve() == (folder / "libnvjpeg_ext.so.0.9.0").resolve()
+    with pytest.raises(SystemExit, match="no extension module"):
+        _linked(folder, ["tiff"])
+
+
 def test_stages_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:
     """The stage-beside-a-step instrument feeds a GPU training step, and says so without a GPU."""
     for args in (["--kind", "eager"], ["--sched", "blocking"]):

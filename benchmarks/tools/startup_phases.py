@@ -1,26 +1,33 @@
 """Where a GPU loader's start-up goes, phase by phase, in this (fresh) process.
 
-Usage: ``python -m benchmarks.tools.startup_phases`` (run it twice: Triton caches its kernels on disk).
+Usage: ``python -m benchmarks.tools.startup_phases [--extensions nvjpeg,jpeg_turbo]`` (run it twice:
+Triton caches its kernels on disk).
 
 Each phase is what a reader thread's first batch would otherwise pay, in the order the background
 warm-up (``threadloader._warmup``) meets them: nvImageCodec's library and instance, the C API's
 self-test with the first Decoder, the first batch of the resize pipeline (the resampling kernel's first
 launch), the first random crops (the region pool's Decoder, the region check, the crop kernel).
-Prints one JSON object of seconds per phase.
+``--extensions`` loads only the nvImageCodec extension modules whose file names contain one of the
+given words (through a folder of links to them), to see whether the instance's and the first Decoder's
+seconds are the other codecs' libraries. Prints one JSON object of seconds per phase.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 
-def phases() -> dict[str, float]:
-    """Seconds per phase, each timed from the end of the one before."""
+def phases(extensions: Sequence[str] = ()) -> dict[str, float]:
+    """Seconds per phase, each timed from the end of the one before; see the module's ``--extensions``."""
     marks: dict[str, float] = {}
     last = time.perf_counter()
 
@@ -43,6 +50,8 @@ def phases() -> dict[str, float]:
     from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 
     mark("nvImageCodec library", _capi.library)
+    if extensions:
+        _capi.library().extensions = _linked(_capi.library().extensions, extensions)
     mark("nvImageCodec instance (the codecs' libraries)", _capi.load)
     decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=14)
     mark("self-test (a Decoder, one decode) and the pool's first Decoder", lambda: decoder.engine)
@@ -69,10 +78,29 @@ def phases() -> dict[str, float]:
     return marks
 
 
-def main() -> None:
+def _linked(folder: Path, words: Sequence[str]) -> Path:
+    """A new folder of links to the extension modules in ``folder`` whose names contain one of ``words``."""
+    chosen = [name for name in sorted(os.listdir(folder)) if any(word in name for word in words)]
+    if not chosen:
+        sys.exit(f"no extension module in {folder} matches {list(words)}: {sorted(os.listdir(folder))}")
+    links = Path(tempfile.mkdtemp(prefix="nvimgcodec-extensions-"))
+    for name in chosen:
+        (links / name).symlink_to(folder / name)
+    print(f"extension modules loaded: {chosen}", file=sys.stderr)
+    return links
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--extensions",
+        default="",
+        help="comma-separated words: load only the extension modules whose file names contain one",
+    )
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.tools.startup_phases measures the GPU path: it needs a CUDA device")
-    print(json.dumps(phases(), indent=2))
+    print(json.dumps(phases([w for w in args.extensions.split(",") if w]), indent=2))
 
 
 if __name__ == "__main__":
