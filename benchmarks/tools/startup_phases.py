@@ -1,6 +1,6 @@
 """Where a GPU loader's start-up goes, phase by phase, in this (fresh) process.
 
-Usage: ``python -m benchmarks.tools.startup_phases [--extensions nvjpeg,jpeg_turbo]`` (run it twice:
+Usage: ``python -m benchmarks.tools.startup_phases [--extensions libnvjpeg_ext,jpeg_turbo]`` (run it twice:
 Triton caches its kernels on disk).
 
 Each phase is what a reader thread's first batch would otherwise pay, in the order the background
@@ -15,8 +15,10 @@ seconds are the other codecs' libraries. Prints one JSON object of seconds per p
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -84,6 +86,7 @@ def _linked(folder: Path, words: Sequence[str]) -> Path:
     if not chosen:
         sys.exit(f"no extension module in {folder} matches {list(words)}: {sorted(os.listdir(folder))}")
     links = Path(tempfile.mkdtemp(prefix="nvimgcodec-extensions-"))
+    atexit.register(shutil.rmtree, links, ignore_errors=True)
     for name in chosen:
         (links / name).symlink_to(folder / name)
     print(f"extension modules loaded: {chosen}", file=sys.stderr)
