@@ -233,6 +233,22 @@ def wait_for_no_reader_threads(timeout: float = 1.0) -> list[threading.Thread]:
 
 
 @pytest.fixture(autouse=True)
+def nvimgcodec_started(request: pytest.FixtureRequest) -> None:
+    """GPU tests run with nvImageCodec started on the first GPU, as every loader but a process's first.
+
+    While it starts (seconds), a loader decodes its first batches with Pillow (``started_on_cpu``), so
+    without this the first GPU test to build a loader would test Pillow instead of nvImageCodec.
+    ``test_gpu.py`` tests that start in a process of its own.
+    """
+    if GPU_SKIP_REASON is None and request.node.get_closest_marker("gpu") is not None:
+        from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+        decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+        if decoder.starting:
+            assert decoder.engine in ("capi", "python")  # chooses the engine: nvImageCodec is started
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
     """Every test must leave no reader thread behind (the loader's shutdown contract)."""
     yield

@@ -9,8 +9,11 @@ from __future__ import annotations
 import io
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -511,3 +514,69 @@ def test_jpeg_fancy_upsampling_false_repeats_each_chroma_sample(
         errors[fancy] = float((decoded - expected).abs().mean())
     assert errors[False] < 4.0, errors
     assert errors[True] > 10.0, errors
+
+
+def test_pillow_decoder_copies_each_batch_to_the_gpu_on_the_callers_stream() -> None:
+    """A GPU loader's first batches: Pillow's pixels, unchanged, on the GPU; bad samples stay errors."""
+    from threadloader.decode import PillowDecoder
+
+    samples = [encode(photo(40 + 8 * i, 56, seed=i), quality=85) for i in range(3)]
+    stream = torch.cuda.Stream()
+    decoded = PillowDecoder(device=torch.device("cuda", 0)).decode(
+        [samples[0], b"not an image", *samples[1:]], stream=stream
+    )
+    stream.synchronize()
+    assert decoded.extents[1] is None and 1 in decoded.errors
+    for position, data in zip((0, 2, 3), samples, strict=True):
+        image = decoded.image(position)
+        assert image is not None and image.is_cuda
+        assert mean_abs_diff(image, pil_reference(data)) == 0
+    with pytest.raises(ValueError, match="CUDA stream"):
+        PillowDecoder(device=torch.device("cuda", 0)).decode(samples, stream=None)
+
+
+_FRESH_PROCESS_LOADER = r"""
+import sys, time, torch
+from threadloader import ThreadLoader
+root, out = sys.argv[1], sys.argv[2]
+torch.cuda.init()
+with ThreadLoader(root, batch_size=4, device="cuda", dtype=torch.uint8) as loader:
+    first = [[image.cpu() for image in images] for images, _ in loader]
+    started = loader.stats().started_on_cpu
+    deadline = time.monotonic() + 60
+    while not loader._warmup.done and time.monotonic() < deadline:  # nvImageCodec has started
+        time.sleep(0.01)
+    second = [[image.cpu() for image in images] for images, _ in loader]
+    torch.save({"first": first, "second": second, "started": started,
+                "after": loader.stats().started_on_cpu}, out)
+"""
+
+
+def test_a_fresh_process_decodes_its_first_batches_with_pillow_while_nvimgcodec_starts(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """A GPU loader iterated at once in a fresh process gets Pillow's pixels while nvImageCodec starts
+    (seconds), counted in ``started_on_cpu``; once it has started, nvImageCodec decodes and nothing more
+    is counted. The reference is Pillow's decode of each file, in the folder's order."""
+    script, out = tmp_path / "fresh.py", tmp_path / "out.pt"
+    script.write_text(_FRESH_PROCESS_LOADER)
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, str(script), str(image_folder), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=root,
+        env=os.environ | {"PYTHONPATH": str(root)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = torch.load(out)
+    references = [pil_reference(path.read_bytes()) for path in sorted(image_folder.glob("*/*.jpg"))]
+    first = [image for batch in saved["first"] for image in batch]
+    second = [image for batch in saved["second"] for image in batch]
+    assert len(first) == len(second) == len(references) == 12
+    assert 4 <= saved["started"] <= 12 and saved["after"] == saved["started"]
+    for image, reference in zip(first[:4], references, strict=False):  # the first batch: Pillow's own
+        assert mean_abs_diff(image, reference) == 0
+    for image, reference in zip(second, references, strict=True):  # nvImageCodec's, near Pillow's
+        assert gpu_mismatch(image, reference) is None

@@ -105,6 +105,34 @@ def test_a_loader_warms_up_in_the_background_and_its_readers_wait_for_it(
         assert collated == [[0, 0, 0], [0, 0, 0]]  # the user's collate_fn saw only the user's batches
 
 
+@pytest.mark.usefixtures("warming")
+@pytest.mark.parametrize("starting", [True, False])
+def test_while_nvimgcodec_starts_the_readers_decode_with_pillow_instead_of_waiting(
+    tmp_path: Path, decoder: GatedDecoder, monkeypatch: pytest.MonkeyPatch, starting: bool
+) -> None:
+    """The gated decoder stands in for nvImageCodec, its warm-up blocked as nvImageCodec's start would
+    be (seconds). While it is starting the readers decode with Pillow and count it; once it has started
+    in the process (a later loader's case), they wait for the warm-up and decode with it, as before."""
+    monkeypatch.setattr(loader, "NvImageCodecDecoder", GatedDecoder)
+    decoder.starting = starting  # type: ignore[attr-defined]
+    with ThreadLoader(folder(tmp_path), batch_size=3, decoder=decoder, num_threads=2) as built:
+        assert decoder.entered.wait(5)
+        batches: list[object] = []
+        consumer = threading.Thread(target=lambda: batches.extend(built))
+        consumer.start()
+        consumer.join(0.5 if not starting else 10)
+        assert len(batches) == (2 if starting else 0)  # Pillow's, or waiting for the warm-up
+        assert built.stats().started_on_cpu == (6 if starting else 0)
+        assert decoder.threads == ["threadloader-warmup-0"]  # the readers did not call it
+        decoder.starting = False  # type: ignore[attr-defined]
+        decoder.gate.set()
+        consumer.join(10)
+        assert not consumer.is_alive() and len(batches) == 2
+        again = list(built)  # nvImageCodec has started: the readers decode with it
+        assert len(again) == 2 and len(decoder.threads) == (3 if starting else 5)
+        assert built.stats().started_on_cpu == (6 if starting else 0)
+
+
 class EndlessDecoder(ImageDecoder):
     """A decode that takes 10 s, checking between images whether its thread was asked to stop."""
 

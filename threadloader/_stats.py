@@ -34,6 +34,8 @@ class LoaderStats:
         skipped: Samples dropped by ``on_error="skip"``.
         errors: Sample errors seen (raised or skipped).
         cpu_fallbacks: Samples the GPU decoder gave up on that were decoded on the CPU instead.
+        started_on_cpu: Samples of a GPU loader's first batches, decoded with Pillow and copied to the
+            GPU while nvImageCodec was starting in the background.
         region_decodes: Samples decoded as a random crop's region only, not as the whole image.
         stage_seconds: Host seconds per stage, keys as in :data:`STAGES`.
     """
@@ -43,6 +45,7 @@ class LoaderStats:
     skipped: int = 0
     errors: int = 0
     cpu_fallbacks: int = 0
+    started_on_cpu: int = 0
     region_decodes: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
@@ -58,6 +61,7 @@ class StatsRecorder:
             "skipped": 0,
             "errors": 0,
             "cpu_fallbacks": 0,
+            "started_on_cpu": 0,
             "region_decodes": 0,
         }
         self._seconds = dict.fromkeys(STAGES, 0.0)

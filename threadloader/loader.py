@@ -15,6 +15,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from ._stats import LoaderStats, StatsRecorder
 from ._warmup import Warmup
 from ._workers import OrderedPool, WeakRegistry
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
+from .decode.nvimgcodec import NvImageCodecDecoder
+from .decode.pillow import PillowDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
 
@@ -265,6 +268,12 @@ class ThreadLoader:
             collate=collate_fn,
         )
         self._producer = self._new_producer(seed=seed)
+        # While nvImageCodec starts (seconds, once per process and device), Pillow decodes the batches.
+        self._nvimgcodec = (
+            setup.decoder if setup.warm_up and isinstance(setup.decoder, NvImageCodecDecoder) else None
+        )
+        self._cpu_decoder = PillowDecoder(max_pixels=max_pixels, device=self.device)
+        self._cpu_start = self._make_cpu_start(seed)
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         # Loads the decoder, on the readers' streams, while the caller builds the rest.
         self._warmup = (
@@ -313,7 +322,13 @@ class ThreadLoader:
                 # Threads see only the producer and the streams, never the loader: dropping the loader
                 # and its iterators closes the pool.
                 work=functools.partial(
-                    _produce_on, self._producer, self._readers, self._warmup, epoch, self.pin_memory
+                    _produce_on,
+                    self._producer,
+                    self._cpu_start,
+                    self._readers,
+                    self._warmup,
+                    epoch,
+                    self.pin_memory,
                 ),
                 num_threads=self.num_threads,
                 window=self.num_threads * self.prefetch,
@@ -413,7 +428,15 @@ class ThreadLoader:
             if seed != self._plan.seed:
                 self._plan.seed = seed
                 self._producer = self._new_producer(seed=seed)
+                self._cpu_start = self._make_cpu_start(seed)
             self._next_epoch, self._resume, self._progress = epoch, batches, None
+
+    def _make_cpu_start(self, seed: int) -> _CpuStart | None:
+        """What decodes this loader's first batches while nvImageCodec starts, if anything."""
+        if self._nvimgcodec is None:
+            return None
+        producer = self._new_producer(seed=seed, decoder=self._cpu_decoder)
+        return _CpuStart(producer=producer, nvimgcodec=self._nvimgcodec, stats=self._stats)
 
     def stats(self) -> LoaderStats:
         """Counters and per-stage host time since construction: samples, skipped, errors, fallbacks."""
@@ -454,8 +477,34 @@ class ThreadLoader:
         )
 
 
+@dataclass(frozen=True)
+class _CpuStart:
+    """A GPU loader's first batches while nvImageCodec starts in the background: Pillow's, copied over.
+
+    nvImageCodec's start (its instance and first Decoder, about two seconds on an H200) is its own
+    (docs/benchmarks.md, "Memory and start-up"); a loader built a second before its loop would keep
+    its consumer waiting for it. Pillow needs no start, so the readers decode with it meanwhile.
+
+    Attributes:
+        producer: The loader's producer, its decoder Pillow copying each batch to the loader's GPU.
+        nvimgcodec: The loader's own decoder, which says whether nvImageCodec is still starting.
+        stats: Where the samples so decoded are counted (``started_on_cpu``).
+    """
+
+    producer: BatchProducer
+    nvimgcodec: NvImageCodecDecoder
+    stats: StatsRecorder
+
+    def produce(self, batches: list[list[int]], reader: ReaderStream, epoch: int) -> list[Outcome]:
+        """The group's outcomes, decoded with Pillow."""
+        outcomes = self.producer.produce(batches, reader, epoch=epoch)
+        self.stats.count("started_on_cpu", sum(len(o.indices) for o in outcomes if isinstance(o, Batch)))
+        return outcomes
+
+
 def _produce_on(
     producer: BatchProducer,
+    cpu_start: _CpuStart | None,
     readers: list[ReaderStream],
     warmup: Warmup | None,
     epoch: int,
@@ -463,6 +512,8 @@ def _produce_on(
     batches: list[list[int]],
     thread: int,
 ) -> list[Outcome]:
+    if cpu_start is not None and warmup is not None and not warmup.done and cpu_start.nvimgcodec.starting:
+        return cpu_start.produce(batches, readers[thread], epoch)  # a GPU loader: nothing to pin
     if warmup is not None:
         warmup.wait()  # returns at once after the first group: the warm-up ran once, at construction
     outcomes = producer.produce(batches, readers[thread], epoch=epoch)

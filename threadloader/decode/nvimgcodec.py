@@ -145,6 +145,11 @@ def check_options(*, backend: str, gpu_decoders: object) -> None:
 #: The registry every decoder of the library shares.
 SHARED = DecoderRegistry(new_decoder)
 
+#: Devices on which a decoder of this process has started nvImageCodec (its engine chosen and first
+#: Decoder made): later decoders there start in milliseconds, the first in seconds.
+_started_on: set[int] = set()
+_started_lock = threading.Lock()
+
 
 @dataclass
 class _Parsed:
@@ -250,6 +255,15 @@ class NvImageCodecDecoder(ImageDecoder):
         self._prepared: tuple[Engine, DecoderKey, DecoderKey] | None = None
 
     @property
+    def starting(self) -> bool:
+        """Whether nvImageCodec has yet to start on this device in this process (the seconds it takes).
+
+        A front end that starts it in the background decodes its first batches with Pillow meanwhile.
+        """
+        with _started_lock:
+            return self.device.index not in _started_on
+
+    @property
     def engine(self) -> str:
         """The engine this decoder decodes with: ``"capi"`` or ``"python"`` (chosen on first use)."""
         return self._start()[0].name
@@ -276,6 +290,8 @@ class NvImageCodecDecoder(ImageDecoder):
                 region_backend = REGION_BACKEND if mixed else self._backend
                 region_key: DecoderKey = (engine.name, index, region_backend, self._cpu_threads, fancy)
                 self._prepared = (engine, key, region_key)
+                with _started_lock:
+                    _started_on.add(index)
             return self._prepared
 
     @property
