@@ -285,6 +285,20 @@ class GatedDecoder(ImageDecoder):
         return self._inner.decode(encoded, stream=stream, stats=stats)
 
 
+def run_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``text`` as a script, from the repository root, with this checkout first on the path."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    root = Path(__file__).parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=root, env=env
+    )
+
+
 def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """A benchmark module's smoke run in a subprocess, as CI runs it (its DataLoader workers and threads
     stay out of the test process), on the CPU, with its data cached under ``tmp_path``."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from threadloader import ThreadLoader
 from threadloader._handoff import ReaderStream, Ready
 from threadloader._stats import StatsRecorder
 
-from .conftest import encode, gpu_mismatch, mean_abs_diff, photo, pil_reference
+from .conftest import encode, gpu_mismatch, mean_abs_diff, photo, pil_reference, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -558,17 +556,8 @@ def test_a_fresh_process_decodes_its_first_batches_with_pillow_while_nvimgcodec_
     """A GPU loader iterated at once in a fresh process gets Pillow's pixels while nvImageCodec starts
     (seconds), counted in ``started_on_cpu``; once it has started, nvImageCodec decodes and nothing more
     is counted. The reference is Pillow's decode of each file, in the folder's order."""
-    script, out = tmp_path / "fresh.py", tmp_path / "out.pt"
-    script.write_text(_FRESH_PROCESS_LOADER)
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run(
-        [sys.executable, str(script), str(image_folder), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=root,
-        env=os.environ | {"PYTHONPATH": str(root)},
-    )
+    out = tmp_path / "out.pt"
+    result = run_script(tmp_path, _FRESH_PROCESS_LOADER, str(image_folder), str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     saved = torch.load(out)
     references = [pil_reference(path.read_bytes()) for path in sorted(image_folder.glob("*/*.jpg"))]

@@ -4,7 +4,6 @@ and the interpreter exits cleanly with threads still working."""
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ from threadloader._stats import StatsRecorder
 from threadloader._workers import OrderedPool
 from threadloader.decode import PillowDecoder
 
-from .conftest import encode, photo, pil_reference, reader_threads, wait_for_no_reader_threads
+from .conftest import encode, photo, pil_reference, reader_threads, run_script, wait_for_no_reader_threads
 
 H, W = 16, 24
 N = 40
@@ -552,20 +551,6 @@ print("left", flush=True)
 if sys.argv[1] == "raise":
     raise RuntimeError("the script failed")
 """
-
-
-def run_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Runs ``text`` as a script, from the repository root, with this checkout first on the path."""
-    script = tmp_path / "script.py"
-    script.write_text(text)
-    root = Path(__file__).parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=root, env=env
-    )
 
 
 def run_exit_script(tmp_path: Path, what: str) -> subprocess.CompletedProcess[str]:
