@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageFile
 
 from threadloader import SampleError, ThreadLoader
+from threadloader.decode import PillowDecoder, pillow
 
 from .conftest import encode, header_only_png, mean_abs_diff, photo, pil_reference
 
@@ -294,3 +297,39 @@ def test_pixel_limit_is_checked_from_the_header(monkeypatch: pytest.MonkeyPatch)
     with loader, pytest.raises(SampleError) as caught:
         list(loader)
     assert "limit" not in caught.value.reason.lower() and (4000, 3000) in loads
+
+
+def test_pillow_on_several_threads_keeps_order_pixels_and_errors(
+    corpus: dict[str, bytes], references: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PillowDecoder(threads=4)`` (a GPU loader's first batches) decodes a call's images at once, on
+    threads of its own, and returns what the calling thread alone would: each image at its position,
+    a bad sample's error at its own."""
+    names = list(corpus)
+    samples = [corpus[name] for name in names]
+    samples.insert(2, b"not an image")
+    first_two = threading.Barrier(2, timeout=5)  # broken, and an error, unless both run at once
+    threads: set[str] = set()
+    original = pillow.decode_rgb
+
+    def decode_rgb(data: bytes, **options: object) -> np.ndarray:
+        threads.add(threading.current_thread().name)
+        if data is samples[0] or data is samples[1]:
+            first_two.wait()
+        return original(data, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pillow, "decode_rgb", decode_rgb)
+    decoded = PillowDecoder(threads=4).decode(samples, stream=None)
+    assert list(decoded.errors) == [2] and "cannot identify image file" in decoded.errors[2]
+    assert len(threads) > 1 and all(name.startswith("threadloader-pillow") for name in threads)
+    positions = [position for position in range(len(samples)) if position != 2]
+    for position, name in zip(positions, names, strict=True):
+        image = decoded.image(position)
+        assert image is not None and tuple(image.shape) == references[name].shape, name
+        assert torch.equal(image, torch.from_numpy(references[name])), name
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "4"])
+def test_pillow_threads_must_be_a_positive_int(threads: object) -> None:
+    with pytest.raises(ValueError, match=f"threads must be a positive int .*got {threads!r}"):
+        PillowDecoder(threads=threads)  # type: ignore[arg-type]

@@ -514,13 +514,14 @@ def test_jpeg_fancy_upsampling_false_repeats_each_chroma_sample(
     assert errors[True] > 10.0, errors
 
 
-def test_pillow_decoder_copies_each_batch_to_the_gpu_on_the_callers_stream() -> None:
+@pytest.mark.parametrize("threads", [1, 4])
+def test_pillow_decoder_copies_each_batch_to_the_gpu_on_the_callers_stream(threads: int) -> None:
     """A GPU loader's first batches: Pillow's pixels, unchanged, on the GPU; bad samples stay errors."""
     from threadloader.decode import PillowDecoder
 
     samples = [encode(photo(40 + 8 * i, 56, seed=i), quality=85) for i in range(3)]
     stream = torch.cuda.Stream()
-    decoded = PillowDecoder(device=torch.device("cuda", 0)).decode(
+    decoded = PillowDecoder(device=torch.device("cuda", 0), threads=threads).decode(
         [samples[0], b"not an image", *samples[1:]], stream=stream
     )
     stream.synchronize()

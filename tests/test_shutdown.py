@@ -499,6 +499,43 @@ def test_pillow_stops_between_images(blobs: list[bytes]) -> None:
     assert taken == [0, 1] and len(raised) == 1 and isinstance(raised[0], Cancelled)
 
 
+def test_pillow_on_threads_stops_at_the_next_image_and_joins_its_threads(
+    blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU loader's first batches decode on threads of the call: cancelled, it starts no image that
+    was not under way, and returns only once the ones under way have ended, its threads gone."""
+    from threadloader.decode import pillow
+
+    cancel = threading.Event()
+    started: list[int] = []
+    original = pillow.decode_rgb
+
+    def slow_decode(data: bytes, **options: object) -> np.ndarray:
+        started.append(len(started))
+        cancel.set()  # as the first image starts
+        time.sleep(0.05)
+        return original(data, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pillow, "decode_rgb", slow_decode)
+    raised: list[BaseException] = []
+    left: list[list[str]] = []
+
+    def decode() -> None:
+        bind_cancel(cancel)
+        try:
+            PillowDecoder(threads=2).decode(blobs * 5, stream=None)
+        except BaseException as exc:
+            raised.append(exc)
+        left.append([t.name for t in threading.enumerate() if t.name.startswith("threadloader-pillow")])
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    thread.join(10)
+    assert len(raised) == 1 and isinstance(raised[0], Cancelled)
+    assert 1 <= len(started) <= 4 < len(blobs) * 5  # the two under way, and two more at most
+    assert left == [[]]
+
+
 #: A script that leaves a loader (or a service) while its reader thread is inside seconds of torch
 #: calls, then ends. A daemon thread still inside torch when the interpreter finalizes aborts the
 #: process ("terminate called without an active exception", exit code 134).

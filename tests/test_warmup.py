@@ -133,6 +133,35 @@ def test_while_nvimgcodec_starts_the_readers_decode_with_pillow_instead_of_waiti
         assert built.stats().started_on_cpu == (6 if starting else 0)
 
 
+@pytest.mark.usefixtures("warming")
+@pytest.mark.parametrize(("cpus", "on_threads"), [(4, True), (2, False)])
+def test_the_cpu_start_spreads_a_group_over_the_cores_the_readers_share(
+    tmp_path: Path, decoder: GatedDecoder, monkeypatch: pytest.MonkeyPatch, cpus: int, on_threads: bool
+) -> None:
+    """Two readers on 4 cores: each decodes its groups on 2 threads of its own (the consumer waits for
+    the first group, which one reader would decode image by image); on 2 cores, each in itself."""
+    from threadloader.decode import pillow
+
+    monkeypatch.setattr(loader, "NvImageCodecDecoder", GatedDecoder)
+    monkeypatch.setattr(loader, "available_cpus", lambda: cpus)
+    decoder.starting = True  # type: ignore[attr-defined]
+    threads: list[str] = []
+    original = pillow.decode_rgb
+
+    def decode_rgb(data: bytes, **options: object) -> np.ndarray:
+        threads.append(threading.current_thread().name)
+        return original(data, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pillow, "decode_rgb", decode_rgb)
+    with ThreadLoader(folder(tmp_path), batch_size=3, decoder=decoder, num_threads=2) as built:
+        assert decoder.entered.wait(5)
+        assert len(list(built)) == 2 and built.stats().started_on_cpu == 6
+        reader = [name.startswith("threadloader-e0") for name in threads]
+        pool = [name.startswith("threadloader-pillow") for name in threads]
+        assert len(threads) == 6 and (all(pool) if on_threads else all(reader)), threads
+        decoder.gate.set()
+
+
 class EndlessDecoder(ImageDecoder):
     """A decode that takes 10 s, checking between images whether its thread was asked to stop."""
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._device import default_decode_batch_size
+from ._device import available_cpus, default_decode_batch_size
 from ._handoff import ReaderStream
 from ._options import as_transform, set_up
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
@@ -53,6 +53,10 @@ class _DefaultBatchSize(int):
 
 
 _DEFAULT_BATCH_SIZE = _DefaultBatchSize(32)
+
+#: Pillow threads per reader for a GPU loader's first batches (the cores the readers share, up to
+#: this): a group is one or two batches, so more would mostly start threads.
+_CPU_START_THREADS = 8
 
 
 class ThreadLoader:
@@ -272,7 +276,15 @@ class ThreadLoader:
         self._nvimgcodec = (
             setup.decoder if setup.warm_up and isinstance(setup.decoder, NvImageCodecDecoder) else None
         )
-        self._cpu_decoder = PillowDecoder(max_pixels=max_pixels, device=self.device)
+        self._cpu_decoder = (
+            PillowDecoder(
+                max_pixels=max_pixels,
+                device=self.device,
+                threads=min(_CPU_START_THREADS, max(1, available_cpus() // self.num_threads)),
+            )
+            if self._nvimgcodec is not None
+            else None
+        )
         self._cpu_start = self._make_cpu_start(seed)
         self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         # Loads the decoder, on the readers' streams, while the caller builds the rest.
@@ -433,7 +445,7 @@ class ThreadLoader:
 
     def _make_cpu_start(self, seed: int) -> _CpuStart | None:
         """What decodes this loader's first batches while nvImageCodec starts, if anything."""
-        if self._nvimgcodec is None:
+        if self._nvimgcodec is None or self._cpu_decoder is None:
             return None
         producer = self._new_producer(seed=seed, decoder=self._cpu_decoder)
         return _CpuStart(producer=producer, nvimgcodec=self._nvimgcodec, stats=self._stats)
@@ -486,7 +498,8 @@ class _CpuStart:
     its consumer waiting for it. Pillow needs no start, so the readers decode with it meanwhile.
 
     Attributes:
-        producer: The loader's producer, its decoder Pillow copying each batch to the loader's GPU.
+        producer: The loader's producer, its decoder Pillow on threads of each call (the consumer waits
+            for the first group), copying the images to the loader's GPU.
         nvimgcodec: The loader's own decoder, which says whether nvImageCodec is still starting.
         stats: Where the samples so decoded are counted (``started_on_cpu``).
     """

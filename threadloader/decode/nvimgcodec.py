@@ -281,18 +281,20 @@ class NvImageCodecDecoder(ImageDecoder):
         with self._started:
             if self._prepared is None:
                 engine = self._choose_engine(self._wanted)
-                index = self.device.index
-                assert index is not None
-                fancy = self._fancy_upsampling
-                key: DecoderKey = (engine.name, index, self._backend, self._cpu_threads, fancy)
+                key = self._pool_key(engine, self._backend)
                 self._registry.release(key, self._registry.acquire(key, self._gpu_decoders))
                 mixed = self._backend in ("auto", "all", "split")  # several kinds: regions take the fastest
-                region_backend = REGION_BACKEND if mixed else self._backend
-                region_key: DecoderKey = (engine.name, index, region_backend, self._cpu_threads, fancy)
+                region_key = self._pool_key(engine, REGION_BACKEND if mixed else self._backend)
                 self._prepared = (engine, key, region_key)
                 with _started_lock:
-                    _started_on.add(index)
+                    _started_on.add(key[1])
             return self._prepared
+
+    def _pool_key(self, engine: Engine, backend: str) -> DecoderKey:
+        """The key of the pool of Decoders that ``engine`` makes for this decoder's options."""
+        index = self.device.index
+        assert index is not None  # a CUDA device's index, set by the constructor
+        return (engine.name, index, backend, self._cpu_threads, self._fancy_upsampling)
 
     @property
     def _engine(self) -> Engine:
@@ -328,8 +330,9 @@ class NvImageCodecDecoder(ImageDecoder):
         """
         try:
             # The default backend's pool, which the warm-up fills anyway.
-            key = (engine.name, self.device.index, "auto", self._cpu_threads, self._fancy_upsampling)
-            reason = _self_test(engine, self._registry, key, self._gpu_decoders, self.device)
+            reason = _self_test(
+                engine, self._registry, self._pool_key(engine, "auto"), self._gpu_decoders, self.device
+            )
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
         if reason is not None:

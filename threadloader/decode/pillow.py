@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import cast
 
@@ -126,18 +127,34 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
 
 
 class PillowDecoder(ImageDecoder):
-    """Decodes a batch image by image in the calling thread.
+    """Decodes a batch image by image, in the calling thread or spread over threads of its own.
 
     Args:
         max_pixels: Images whose header declares more pixels are errors.
         device: Where the images go: the CPU, or a CUDA device, for a GPU loader's first batches while
             nvImageCodec starts (seconds): each image is copied there on the calling thread's stream.
+        threads: Threads that decode one call's images at once. 1, the default, decodes them in the
+            calling thread: the CPU path's parallelism is its reader threads. More is for a GPU
+            loader's first batches, which its few readers would otherwise decode one image at a time
+            while the consumer waits; the threads are started for the call and joined before it returns.
+
+    Raises:
+        ValueError: If ``threads`` is not a positive int.
     """
 
     def __init__(
-        self, *, max_pixels: int | None = DEFAULT_MAX_PIXELS, device: torch.device | None = None
+        self,
+        *,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        device: torch.device | None = None,
+        threads: int = 1,
     ) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(
+                f"threads must be a positive int (1: decode in the calling thread), got {threads!r}"
+            )
         self.device = torch.device("cpu") if device is None else device
+        self.threads = threads
         self._max_pixels = max_pixels
 
     def decode(
@@ -150,23 +167,48 @@ class PillowDecoder(ImageDecoder):
         pad: bool = False,
     ) -> DecodedBatch:
         """Decodes each whole image with Pillow; see :meth:`ImageDecoder.decode` (regions, padding unused)."""
-        if stream is None and self.device.type == "cuda":
+        on_gpu = self.device.type == "cuda"
+        if on_gpu and stream is None:
             raise ValueError("PillowDecoder.decode needs the calling thread's CUDA stream to copy to the GPU")
-        images: list[torch.Tensor | None] = []
-        errors: dict[int, str] = {}
-        causes: dict[int, BaseException] = {}
         with (stats or StatsRecorder()).timed("decode"):
-            for position, data in enumerate(encoded):
-                check_cancelled()  # large images make a long batch: stop between them
-                try:
-                    images.append(torch.from_numpy(decode_rgb(data, max_pixels=self._max_pixels)))
-                except Exception as exc:
-                    images.append(None)
-                    errors[position] = f"{type(exc).__name__}: {exc}"
-                    causes[position] = detached(exc)  # its frames hold the whole batch
-            if stream is not None and self.device.type == "cuda":
-                images = _uploaded(images, self.device, stream)
+            if self.threads > 1 and len(encoded) > 1:
+                decoded = self._on_threads(encoded)
+            else:
+                decoded = []
+                for data in encoded:
+                    check_cancelled()  # large images make a long batch: stop between them
+                    decoded.append(self._one(data))
+        images = [image if isinstance(image, torch.Tensor) else None for image in decoded]
+        causes = {position: exc for position, exc in enumerate(decoded) if isinstance(exc, BaseException)}
+        errors = {position: f"{type(exc).__name__}: {exc}" for position, exc in causes.items()}
+        if on_gpu and stream is not None:
+            images = _uploaded(images, self.device, stream)
         return DecodedBatch.of_images(images, errors, causes)
+
+    def _one(self, data: Encoded) -> torch.Tensor | BaseException:
+        """One image, or what decoding it raised (its frames dropped: they hold the whole batch)."""
+        try:
+            return torch.from_numpy(decode_rgb(data, max_pixels=self._max_pixels))
+        except Exception as exc:
+            return detached(exc)
+
+    def _on_threads(self, encoded: Sequence[Encoded]) -> list[torch.Tensor | BaseException]:
+        """Each image decoded on the call's own threads, in order; a cancel drops the ones not started."""
+        with ThreadPoolExecutor(
+            min(self.threads, len(encoded)), thread_name_prefix="threadloader-pillow"
+        ) as pool:
+            futures: list[Future[torch.Tensor | BaseException]] = [
+                pool.submit(self._one, data) for data in encoded
+            ]
+            try:
+                decoded = []
+                for future in futures:
+                    check_cancelled()  # stops at the next image; the ones under way end first
+                    decoded.append(future.result())
+                return decoded
+            finally:
+                for future in futures:
+                    future.cancel()
 
 
 def _uploaded(
