@@ -425,6 +425,27 @@ def dali(
 # --- threadloader --------------------------------------------------------------------------------
 
 
+def _past_the_cpu_start(loader: Any, batches: Iterator[T], *, batch_size: int) -> Generator[T, None, None]:
+    """``batches``, those a fresh process's GPU loader decodes with Pillow dropped after the first.
+
+    While nvImageCodec starts (seconds, once per process), a GPU ThreadLoader's readers decode with
+    Pillow (docs/design.md, "Starting on the CPU"), so a row's warm-up batches would end inside that
+    start and its timed batches begin there, measuring Pillow. The first batch is kept (it is the
+    start-up's); after it, batches are taken and dropped until ``stats().started_on_cpu`` has stayed
+    the same for as many batches as the loader holds in flight, the Pillow ones among them consumed.
+    """
+    yield next(batches)
+    last = loader.stats().started_on_cpu
+    if last:
+        in_flight = loader.num_threads * loader.prefetch * -(-loader.decode_batch_size // batch_size)
+        unchanged = 0
+        while unchanged <= in_flight:
+            next(batches)
+            count = loader.stats().started_on_cpu
+            unchanged, last = (unchanged + 1 if count == last else 0), count
+    yield from batches
+
+
 def _epochs(loader: Iterable[T]) -> Generator[T, None, None]:
     """Cycle an epoch-at-a-time iterable forever, refusing to spin on an empty one."""
     while True:
@@ -507,5 +528,5 @@ def threadloader(
         ) as loader,
     ):
         _built(on_built)
-        for images, targets in _epochs(loader):  # targets come back on the CPU, like a DataLoader's
-            yield images, targets.to(device, non_blocking=True)
+        for images, targets in _past_the_cpu_start(loader, _epochs(loader), batch_size=batch_size):
+            yield images, targets.to(device, non_blocking=True)  # targets come back on the CPU

@@ -157,3 +157,38 @@ def test_a_run_without_matplotlib_keeps_its_numbers(tmp_path: Path, monkeypatch:
         == sorted(p.name for p in written)
     )
     assert json.loads((tmp_path / "report.json").read_text())["rows"][0]["name"] == "x b=8"
+
+
+class _Starting:
+    """A loader whose ``stats().started_on_cpu`` follows a script: its value after each batch taken."""
+
+    num_threads, prefetch, decode_batch_size = 1, 1, 4
+
+    def __init__(self, started: list[int]) -> None:
+        self.started, self.taken = started, 0
+
+    def batches(self) -> Any:
+        for index in range(20):
+            self.taken += 1
+            yield index
+
+    def stats(self) -> Any:
+        return type("Stats", (), {"started_on_cpu": self.started[min(self.taken, len(self.started)) - 1]})
+
+
+@pytest.mark.parametrize(
+    ("started", "kept"),
+    [
+        ([0], [0, 1, 2, 3]),  # nvImageCodec had started: nothing dropped
+        ([4, 8, 8, 8], [0, 4, 5, 6]),  # Pillow's batches, then one batch in flight past them, dropped
+        ([4, 4, 4], [0, 3, 4, 5]),
+    ],
+)
+def test_threadloader_rows_time_batches_past_the_cpu_start(started: list[int], kept: list[int]) -> None:
+    """A row's warm-up must not end inside the start: the first batch is kept (start-up is timed on
+    it), then batches are dropped until Pillow's count has stayed put for a loader's batches in flight."""
+    from benchmarks import loaders
+
+    loader = _Starting(started)
+    batches = loaders._past_the_cpu_start(loader, loader.batches(), batch_size=4)
+    assert [next(batches) for _ in range(4)] == kept
