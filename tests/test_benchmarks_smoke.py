@@ -186,3 +186,22 @@ def test_training_variants_add_a_named_threadloader_row_after_each_default_one()
     assert report.training_key(variant)[2].endswith(", prefetch=4, backend='split'")
     assert not report.default_configuration(variant)
     assert report.default_configuration({"spec": dataclasses.asdict(specs[1]), "status": "ok"})
+
+
+def test_first_batch_reports_the_start_and_what_each_thread_did_meanwhile(tmp_path: Path) -> None:
+    """The first-batch instrument's smoke run, on the CPU: the loader's timings and stats, and the
+    consumer seen waiting inside the loader while a reader made the batch."""
+    result = run_benchmark(
+        "benchmarks.tools.first_batch",
+        ["--device", "cpu", "--count", "32", "--batch-size", "8", "--pause", "0.1", "--batches", "2"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["first_batch_s"] > 0 and report["next_batches_s"] >= 0
+    assert report["stats_at_first_batch"]["samples"] >= 8 and report["stats_at_end"]["samples"] >= 16
+    waiting = report["threads_while_waiting_for_the_first_batch"]
+    assert any("<- _workers.py" in frame or "<- loader.py" in frame for frame in waiting["MainThread"])
+    assert any(name.startswith("threadloader-e0") for name in waiting), waiting
+    missing = run_benchmark("benchmarks.tools.first_batch", ["--device", "cuda"], tmp_path)
+    assert missing.returncode == 1 and "needs a CUDA device" in missing.stderr
