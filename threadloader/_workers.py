@@ -107,6 +107,8 @@ class ThreadGroup:
             threading.Thread(target=self._run, args=(target, i), name=f"{name}-{i}", daemon=True)
             for i in range(count)
         ]
+        #: Set by each thread as its last step: what joining waits for (see join_until).
+        self._ended = [threading.Event() for _ in range(count)]
         with _exit_lock:
             exited = _exited
             if not exited:
@@ -129,24 +131,56 @@ class ThreadGroup:
     def join(self, timeout: float | None) -> bool:
         """Waits up to ``timeout`` seconds (``None``: no limit) for the threads other than the caller.
 
+        A bounded wait runs to its end through a KeyboardInterrupt, then raises it (see
+        :func:`_uninterrupted`): a second Ctrl-C while the first closes the owner would otherwise leave
+        its threads running, under a chained traceback. An unbounded wait ends on Ctrl-C.
+
         Returns:
             Whether they have all ended.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in self.alive():
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if timeout is None:
+            self.join_until(None)
+        else:
+            _uninterrupted(functools.partial(self.join_until, time.monotonic() + timeout))
         return not self.alive()
 
-    def alive(self) -> list[threading.Thread]:
-        """The threads still running, other than the calling one (which may be closing its own pool)."""
+    def join_until(self, deadline: float | None) -> None:
+        """Waits until ``deadline`` (``time.monotonic()``; ``None``: no limit) for the other threads.
+
+        A KeyboardInterrupt ends the wait, and the wait can be repeated. It waits for each thread's end
+        event, then joins the thread, which has only its teardown left: before Python 3.13 a
+        ``Thread.join`` that a KeyboardInterrupt cuts short marks the thread ended while it still runs,
+        so a repeated join would return at once.
+        """
         current = threading.current_thread()
-        return [thread for thread in self._threads if thread.is_alive() and thread is not current]
+        for thread, ended in zip(self._threads, self._ended, strict=True):
+            if thread is not current:
+                ended.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if ended.is_set():
+                    thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def alive(self) -> list[threading.Thread]:
+        """The threads still running, other than the calling one (which may be closing its own pool).
+
+        A started thread that has not set its end event runs, whatever an interrupted join made its
+        ``is_alive()`` say (see :meth:`join_until`).
+        """
+        current = threading.current_thread()
+        return [
+            thread
+            for thread, ended in zip(self._threads, self._ended, strict=True)
+            if thread is not current
+            and (thread.is_alive() or (thread.ident is not None and not ended.is_set()))
+        ]
 
     def _run(self, target: Callable[[int], None], index: int) -> None:
-        bind_cancel(self.cancelled)
-        _one_intra_op_thread()
-        with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
-            target(index)
+        try:
+            bind_cancel(self.cancelled)
+            _one_intra_op_thread()
+            with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
+                target(index)
+        finally:
+            self._ended[index].set()
 
 
 def _one_intra_op_thread() -> None:
@@ -282,15 +316,18 @@ class OrderedPool(Generic[T]):
     def close(self, error: Callable[[], BaseException] = StopIteration) -> None:
         """Stops taking tasks, drops pending results, cancels the work in progress and joins the threads.
 
-        Threads end at their next cancellation check; this waits up to :data:`JOIN_TIMEOUT` for that.
+        Threads end at their next cancellation check; this waits up to :data:`JOIN_TIMEOUT` for that. A
+        KeyboardInterrupt meanwhile is raised once all that is done (:func:`_uninterrupted`).
 
         Args:
             error: Makes what ``next()`` raises from now on (the first close decides); the default
                 ends an iteration as if the tasks were exhausted.
         """
-        self._shut(error)
-        self._group.cancel()
-        self._group.join(JOIN_TIMEOUT)
+        _uninterrupted(
+            functools.partial(self._shut, error),
+            self._group.cancel,
+            functools.partial(self._group.join_until, time.monotonic() + JOIN_TIMEOUT),
+        )
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -354,6 +391,27 @@ class OrderedPool(Generic[T]):
                     return
                 self._results[seq] = result
                 self._cv.notify_all()
+
+
+def _uninterrupted(*steps: Callable[[], object]) -> None:
+    """Runs ``steps`` in order, each to its end through KeyboardInterrupt, then raises the first one caught.
+
+    Closing is where a second Ctrl-C lands: ``timeout -s INT`` signals every process of a group, and a
+    key held down repeats. Cut short, a close leaves its threads running and chains a second traceback
+    to the first. So an interrupted step is run again (every step here may be repeated), and the
+    interrupt is raised after the last step, unless a KeyboardInterrupt is already being handled (the
+    close runs because of it): that one says the same and goes on.
+    """
+    interrupt: KeyboardInterrupt | None = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as exc:
+                interrupt = interrupt or exc
+    if interrupt is not None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        raise interrupt
 
 
 def _exiting() -> LoaderClosedError:
