@@ -222,6 +222,7 @@ def as_source(source: object) -> Source:
     a glob ``"shards/*.tar"``, one ``.tar`` path or URL) or a list of them becomes a ``TarShards``.
 
     Raises:
+        FileNotFoundError: If ``source`` is a local path that does not exist.
         TypeError: If ``source`` is neither a directory nor a map-style dataset, with the likely fix.
         ImportError: If the source names URLs and fsspec is not installed.
     """
@@ -230,6 +231,13 @@ def as_source(source: object) -> Source:
             return ImageFolder(source)
         if is_shard_spec(source):
             return TarShards(source)
+        path = os.fspath(source)
+        if not os.path.exists(path) and not is_url(path):
+            broken = " (a link to a missing target)" if os.path.lexists(path) else ""
+            raise FileNotFoundError(
+                f"source {path!r} does not exist{broken}: pass a directory with one sub-folder per class, "
+                "tar shards ('shards/{000000..000127}.tar') or a list of image files"
+            )
         raise TypeError(
             "a single path as source must be a directory (one sub-folder per class) or tar shards "
             f"('shards/{{000000..000127}}.tar'), got {os.fspath(source)!r}; to load one file pass a list: "

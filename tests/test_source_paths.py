@@ -1,0 +1,43 @@
+"""A single path as source: a missing one is FileNotFoundError naming it, as the CLI's "no such folder"."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from threadloader import ThreadLoader
+
+from .conftest import encode, photo
+
+
+@pytest.mark.parametrize("kind", [str, Path])
+def test_a_missing_directory_is_file_not_found(tmp_path: Path, kind: type) -> None:
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(FileNotFoundError) as raised:
+        ThreadLoader(kind(missing))
+    assert repr(str(missing)) in str(raised.value)
+    assert "does not exist" in str(raised.value)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symlinks here")
+def test_a_broken_link_says_so(tmp_path: Path) -> None:
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match=r"does not exist \(a link to a missing target\)"):
+        ThreadLoader(link)
+
+
+def test_an_existing_file_keeps_its_message(tmp_path: Path) -> None:
+    """A file that exists is not "missing": the message says to pass a list."""
+    path = tmp_path / "one.jpg"
+    path.write_bytes(encode(photo(8, 8)))
+    with pytest.raises(TypeError, match=r"must be a directory.*ThreadLoader\(\[path\]\)"):
+        ThreadLoader(str(path))
+
+
+def test_a_url_is_not_checked_for_existence() -> None:
+    """A URL names no local path: it gets the message about what a single path may be."""
+    with pytest.raises(TypeError, match="must be a directory"):
+        ThreadLoader("s3://bucket/images")
