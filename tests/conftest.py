@@ -335,5 +335,7 @@ def set_up_on_a_gpu(**options: object) -> Setup:
         "max_pixels": None,
         "region_decode": None,
         "decoder": None,
+        "batch_size": 32,
+        "decode_batch_size": None,
     }
     return _options.set_up(None, **(settings | options))  # type: ignore[arg-type]

@@ -179,8 +179,9 @@ def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
     for caller in callers:
         caller.join(10)
     assert answers == ["python"] * 4
-    # Tried again after the failure; made once for four callers.
-    assert made == [("python", 0, "auto", 3, True)]
+    # Tried again after the failure; made once for four callers: backend="auto"'s first configuration,
+    # nvImageCodec's own choice, made for the default batch size (it has the JPEG engine).
+    assert made == [("python", 0, "all", 3, True, 64)]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -237,22 +238,21 @@ def test_every_type_in_the_decoder_plug_in_signature_is_public() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "kinds"),
+    ("config", "kinds"),
     [
         # GPU decoders before the CPU's: with every share at 1.0, the first backend that can takes an image
-        ("auto", [(2, 1.0), (3, 1.0), (1, 1.0)]),
+        ("cuda", [(2, 1.0), (3, 1.0), (1, 1.0)]),
         ("all", None),
         ("hardware", [(4, 1.0)]),
-        ("cuda", [(3, 1.0)]),
         ("hybrid", [(3, 1.0)]),
         ("cpu", [(1, 1.0)]),
         ("split", [(4, 0.65), (3, 1.0)]),  # DALI's hw_decoder_load
     ],
 )
-def test_each_backend_asks_nvimgcodec_for_its_kinds(
-    monkeypatch: pytest.MonkeyPatch, backend: str, kinds: list[tuple[int, float]] | None
+def test_each_configuration_asks_nvimgcodec_for_its_kinds(
+    monkeypatch: pytest.MonkeyPatch, config: str, kinds: list[tuple[int, float]] | None
 ) -> None:
-    """``auto`` leaves out the JPEG engine (slow beside a busy GPU), ``all`` lets nvImageCodec choose.
+    """``cuda`` leaves out the JPEG engine (slow beside a busy GPU), ``all`` lets nvImageCodec choose.
 
     The kinds are nvimgcodecBackendKind_t's values in nvImageCodec 0.9's header: CPU_ONLY 1, GPU_ONLY 2,
     HYBRID_CPU_GPU 3, HW_GPU_ONLY 4.
@@ -266,7 +266,7 @@ def test_each_backend_asks_nvimgcodec_for_its_kinds(
     made: list[object] = []
     monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["backends"]))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    _engines.CApiEngine(None).new_decoder(0, backend, 2, True)  # type: ignore[arg-type]
+    _engines.CApiEngine(None).new_decoder(0, config, 2, True)  # type: ignore[arg-type]
     (asked,) = made
     assert (None if asked is None else list(asked)) == kinds  # type: ignore[call-overload]
 
@@ -386,9 +386,12 @@ def test_jpeg_fancy_upsampling_makes_pools_of_its_own(monkeypatch: pytest.Monkey
     monkeypatch.setattr(
         "threadloader.decode.nvimgcodec.engine_named", lambda name: type("E", (), {"name": name})()
     )
-    assert decoder._key == ("python", 0, "auto", 7, False)  # type: ignore[attr-defined]
-    assert decoder._region_key == ("python", 0, "hybrid", 7, False)  # type: ignore[attr-defined]
-    assert made == [("python", 0, "auto", 7, False)]
+    assert decoder._start().keys == {  # type: ignore[attr-defined]
+        "all": ("python", 0, "all", 7, False, 64),
+        "cuda": ("python", 0, "cuda", 7, False, 0),
+    }
+    assert decoder._region_key == ("python", 0, "hybrid", 7, False, 0)  # type: ignore[attr-defined]
+    assert made == [("python", 0, "all", 7, False, 64)]
 
 
 @pytest.mark.parametrize("bad", [0, "no", None])
@@ -423,3 +426,49 @@ def test_the_gpu_decoder_takes_only_a_bool_for_upsampling() -> None:
 
     with pytest.raises(TypeError, match="fancy_upsampling must be True or False, got 'no'"):
         NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=1, fancy_upsampling="no")  # type: ignore[arg-type]
+
+
+def test_a_new_decoder_decodes_a_whole_batch_before_anyone_leases_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvImageCodec sizes the JPEG engine's share from a Decoder's first call: that call is the pool's
+    batch size, not whatever small batch (the warm-up's four photos) would come first; a configuration
+    without the engine decodes a few to initialize. A priming that fails leaves the Decoder usable."""
+    from threadloader.decode import nvimgcodec
+
+    primed: list[tuple[object, int]] = []
+    engine = type("Engine", (), {"name": "fake", "new_decoder": lambda self, *options: "decoder"})()
+    monkeypatch.setattr(nvimgcodec, "engine_named", lambda name: engine)
+    monkeypatch.setattr(
+        nvimgcodec, "_prime", lambda engine, decoder, device, count: primed.append((decoder, count))
+    )
+    assert nvimgcodec.new_decoder("capi", 0, "all", 2, True, 64) == "decoder"
+    assert nvimgcodec.new_decoder("capi", 0, "cuda", 2, True, 0) == "decoder"
+    assert primed == [("decoder", 64), ("decoder", 8)]
+
+    def failing(*_args: object) -> None:
+        raise RuntimeError("no engine today")
+
+    monkeypatch.setattr(nvimgcodec, "_prime", failing)
+    assert nvimgcodec.new_decoder("capi", 0, "split", 2, True, 64) == "decoder"
+
+
+@pytest.mark.parametrize(
+    ("options", "batch"), [({}, 64), ({"decode_batch_size": 128}, 128), ({"batch_size": 96}, 96)]
+)
+def test_the_engine_pools_are_made_for_the_front_ends_decode_batch(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, int], batch: int
+) -> None:
+    """A Decoder with the JPEG engine is made for the images per call its loader gives (64 by default on
+    a GPU, or the batch if larger): loaders of other sizes get pools of their own; the others share."""
+    import torch
+
+    from threadloader import _options
+
+    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
+    decoder = set_up_on_a_gpu(**options).decoder
+    decoder._registry = DecoderRegistry(lambda *key: object())  # type: ignore[attr-defined]
+    decoder._wanted = "python"  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        "threadloader.decode.nvimgcodec.engine_named", lambda name: type("E", (), {"name": name})()
+    )
+    keys = decoder._start().keys  # type: ignore[attr-defined]
+    assert (keys["all"][-1], keys["cuda"][-1]) == (batch, 0)

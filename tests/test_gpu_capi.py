@@ -77,7 +77,7 @@ def test_the_self_test_catches_a_broken_binding(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(_capi.Workspace, "bind", broken)
     engine = nv_module.engine_named("capi")
     registry = nv_module.DecoderRegistry(nv_module.new_decoder)
-    reason = nv_module._self_test(engine, registry, ("capi", 0, "auto", 2, True), 1, torch.device("cuda", 0))
+    reason = nv_module._self_test(engine, registry, ("capi", 0, "cuda", 2, True, 0), 1, torch.device("cuda", 0))
     expected = "pixels differ" if sabotage == "orientation dropped" else "outside the image's memory"
     assert reason is not None and expected in reason, reason
 

@@ -17,7 +17,7 @@ import torch
 
 from .decode import _capi
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
-from .decode.nvimgcodec import DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_options
+from .decode.nvimgcodec import DEFAULT_BATCH_SIZE, DEFAULT_GPU_DECODERS, NvImageCodecDecoder, check_options
 from .decode.pillow import PillowDecoder
 from .errors import CPUFallbackWarning
 
@@ -187,8 +187,11 @@ def make_decoder(
     gpu_decoders: int | None = None,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     region_decode: bool = True,
+    batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> ImageDecoder:
     """The decoder for ``device``: nvImageCodec on a GPU, Pillow on the CPU (which decodes whole images).
+
+    ``batch_size``: the images per decoder call the GPU decoder is made for.
 
     ``backend`` and ``gpu_decoders`` are checked once, by :func:`check_options`: by the GPU decoder, or
     here on the CPU, where they mean nothing but a script that sets them should fail as on a GPU.
@@ -209,4 +212,5 @@ def make_decoder(
         gpu_decoders=count,
         max_pixels=max_pixels,
         region_decode=region_decode,
+        batch_size=batch_size,
     )

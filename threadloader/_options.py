@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._device import default_decode_threads, default_num_threads, make_decoder, resolve_device
+from ._device import (
+    default_decode_batch_size,
+    default_decode_threads,
+    default_num_threads,
+    make_decoder,
+    resolve_device,
+)
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import DEFAULT_GPU_DECODERS, REGION_DECODE_ENV
@@ -25,7 +31,7 @@ __all__ = ["WARMUP_ENV", "Setup", "as_transform", "region_decode_default", "set_
 
 @dataclass(frozen=True)
 class Setup:
-    """What a front end runs on: its device, reader threads, decoder and output format.
+    """What a front end runs on: its device, reader threads, decoder, output format and images per call.
 
     ``warm_up``: the batches a :class:`~threadloader._warmup.Warmup` decodes at once (0: none): for the
     GPU decoder built here, whose first batch costs seconds, as many as readers lease Decoders at
@@ -37,6 +43,7 @@ class Setup:
     num_threads: int
     decoder: ImageDecoder
     output: OutputFormat
+    decode_batch_size: int
     warm_up: int = 0
 
 
@@ -90,10 +97,14 @@ def set_up(
     max_pixels: int | None,
     region_decode: bool | None,
     decoder: ImageDecoder | None,
+    batch_size: int,
+    decode_batch_size: int | None,
 ) -> Setup:
     """Checks the options and builds the output format, device, thread count and decoder from them.
 
-    The environment is read here, once: a front end keeps the region decoding it was built with.
+    ``batch_size`` is the front end's batch, ``decode_batch_size`` its images per decoder call (``None``:
+    the device's default for that batch). The environment is read here, once: a front end keeps the
+    region decoding it was built with.
     """
     output = OutputFormat(
         size=stacking_size(size, transform), dtype=dtype, mean=mean, std=std, channels_last=channels_last
@@ -102,6 +113,8 @@ def set_up(
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
     if not isinstance(jpeg_fancy_upsampling, bool):
         raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
+    if decode_batch_size is not None and decode_batch_size < 1:
+        raise ValueError(f"decode_batch_size must be at least 1, got {decode_batch_size}")
     if decoder is not None:
         resolved = _decoder_device(
             decoder,
@@ -113,8 +126,10 @@ def set_up(
             max_pixels=max_pixels,
             region_decode=region_decode,
         )
-        return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output)
+        per_call = decode_batch_size or default_decode_batch_size(resolved, batch_size)
+        return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output, per_call)
     resolved = resolve_device(device)
+    per_call = decode_batch_size or default_decode_batch_size(resolved, batch_size)
     threads = num_threads or default_num_threads(resolved)
     if decode_threads is not None and decode_threads < 1:
         raise ValueError(f"decode_threads must be at least 1 (or None for the default), got {decode_threads}")
@@ -128,11 +143,12 @@ def set_up(
         gpu_decoders=gpu_decoders,
         max_pixels=max_pixels,
         region_decode=region_decode_default() if region_decode is None else region_decode,
+        batch_size=per_call,
     )
     warm = min(threads, gpu_decoders or DEFAULT_GPU_DECODERS) if resolved.type == "cuda" else 0
     if os.environ.get(WARMUP_ENV, "1") == "0":
         warm = 0
-    return Setup(resolved, threads, built, output, warm_up=warm)
+    return Setup(resolved, threads, built, output, per_call, warm_up=warm)
 
 
 def _decoder_device(

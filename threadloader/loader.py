@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._device import available_cpus, default_decode_batch_size
+from ._device import available_cpus
 from ._handoff import ReaderStream
 from ._options import as_transform, set_up
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
@@ -203,8 +203,6 @@ class ThreadLoader:
             raise TypeError(f"collate_fn must be a function of the list of a batch's targets, got {got}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if decode_batch_size is not None and decode_batch_size < 1:
-            raise ValueError(f"decode_batch_size must be at least 1, got {decode_batch_size}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 (batches in flight per thread), got {prefetch}")
         if seed is not None and (not isinstance(seed, int) or seed < 0):
@@ -254,11 +252,13 @@ class ThreadLoader:
             max_pixels=max_pixels,
             region_decode=region_decode,
             decoder=decoder,
+            batch_size=batch_size or 1,
+            decode_batch_size=decode_batch_size,
         )
         self.device, self.num_threads, self._output = setup.device, setup.num_threads, setup.output
         self.prefetch = prefetch
         self.pin_memory = pin_memory and _can_pin()
-        self.decode_batch_size = decode_batch_size or default_decode_batch_size(self.device, batch_size or 1)
+        self.decode_batch_size = setup.decode_batch_size
         self._stats = StatsRecorder()
         # A partial, to remake the producer with the seed a loaded state brings (see load_state_dict).
         self._new_producer = functools.partial(

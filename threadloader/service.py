@@ -189,6 +189,8 @@ class BatchDecoder:
             max_pixels=max_pixels,
             region_decode=region_decode,
             decoder=decoder,
+            batch_size=max_batch,
+            decode_batch_size=max_batch,
         )
         self.device, self.num_threads = setup.device, setup.num_threads
         self.max_batch = max_batch

@@ -27,6 +27,7 @@ from .base import Encoded
 
 __all__ = [
     "BACKENDS",
+    "CONFIGS",
     "HARDWARE_SHARE",
     "CApiEngine",
     "Engine",
@@ -35,6 +36,7 @@ __all__ = [
     "Memory",
     "PythonApiEngine",
     "decoder_options",
+    "uses_engine",
 ]
 
 #: Share of each batch the JPEG engine takes under ``backend="split"``: DALI's ``hw_decoder_load`` default.
@@ -67,21 +69,37 @@ def decoder_options(*, fancy_upsampling: bool) -> str:
     return "" if fancy_upsampling else _NO_FANCY_UPSAMPLING
 
 
-#: Accepted ``backend=`` values: the nvImageCodec backend kinds each allows, with their load hints
-#: (the share of a batch each takes); ``None``: all of them, nvImageCodec choosing per image.
+#: The Decoder configurations pools are made of: the nvImageCodec backend kinds each allows, with their
+#: load hints (the share of a batch each takes); ``None``: all of them, nvImageCodec choosing per image.
 #: nvImageCodec 0.8 and 0.9 have no JPEG decoder of kind GPU_ONLY: nvJPEG's CUDA decoder registers as
 #: HYBRID_CPU_GPU (Huffman decoding on the CPU below a size threshold, on the GPU above), and kinds
-#: match exactly, so ``"cuda"`` and ``"hybrid"`` are that decoder.
-BACKENDS: dict[str, tuple[tuple[str, float], ...] | None] = {
-    "auto": _ALL_BUT_THE_ENGINE,  # JPEGs on nvJPEG's CUDA decoder; other formats where nvImageCodec can
+#: match exactly, so ``"hybrid"`` is that decoder.
+CONFIGS: dict[str, tuple[tuple[str, float], ...] | None] = {
     "all": None,  # nvImageCodec's own choice: the JPEG engine first where the GPU has one
+    "cuda": _ALL_BUT_THE_ENGINE,  # JPEGs on nvJPEG's CUDA decoder; other formats where nvImageCodec can
     "hardware": (("HW_GPU_ONLY", 1.0),),  # the GPU's JPEG engine (A100, H100, H200...)
-    "cuda": (("HYBRID_CPU_GPU", 1.0),),
     "hybrid": (("HYBRID_CPU_GPU", 1.0),),
     "cpu": (("CPU_ONLY", 1.0),),
     # the JPEG engine takes a fixed share of each batch and nvJPEG's CUDA decoder the rest, at once
     "split": (("HW_GPU_ONLY", HARDWARE_SHARE), ("HYBRID_CPU_GPU", 1.0)),
 }
+
+#: Accepted ``backend=`` values: the configurations a decoder chooses between, call by call, by their
+#: pace (``_pace.py``); one is a fixed choice.
+BACKENDS: dict[str, tuple[str, ...]] = {
+    "auto": ("all", "cuda"),  # the JPEG engine where it keeps up, nvJPEG's CUDA decoder where it does not
+    **{name: (name,) for name in CONFIGS},
+}
+
+
+def uses_engine(config: str) -> bool:
+    """Whether a configuration's Decoders decode JPEGs on the GPU's JPEG engine (where it has one).
+
+    nvImageCodec 0.9 sizes the engine's share of a call from a Decoder's first call and keeps it, so
+    such Decoders are made for a batch size (``nvimgcodec.new_decoder`` primes them with it).
+    """
+    kinds = CONFIGS[config]
+    return kinds is None or any(kind == "HW_GPU_ONLY" for kind, _ in kinds)
 
 
 @dataclass
@@ -162,15 +180,19 @@ class Engine(ABC):
     name: str
 
     @abstractmethod
-    def new_decoder(self, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
-        """A new Decoder on the device, limited to ``backend``'s kinds (see :data:`BACKENDS`).
+    def new_decoder(self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
+        """A new Decoder on the device, limited to ``config``'s kinds (see :data:`CONFIGS`).
 
         ``fancy_upsampling``: smooth JPEG chroma upsampling, as Pillow's (see :func:`decoder_options`).
         """
 
     @abstractmethod
-    def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
-        """Reads the headers of a batch (the bytes must outlive the batch's :meth:`EngineBatch.decode`)."""
+    def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:
+        """Reads the headers of a batch (the bytes must outlive the batch's :meth:`EngineBatch.decode`).
+
+        ``apart``: in handles of the batch's own rather than the calling thread's, which a batch being
+        decoded by that thread may hold (a Decoder made, and primed, in the middle of its call).
+        """
 
 
 class CApiEngine(Engine):
@@ -186,9 +208,9 @@ class CApiEngine(Engine):
         self._local = threading.local()
 
     def new_decoder(
-        self, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool
+        self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool
     ) -> _capi.Decoder:
-        kinds = BACKENDS[backend]
+        kinds = CONFIGS[config]
         backends = None if kinds is None else [(getattr(_capi, kind), hint) for kind, hint in kinds]
         with torch.cuda.device(device_index):
             return _capi.Decoder(
@@ -199,7 +221,9 @@ class CApiEngine(Engine):
                 options=decoder_options(fancy_upsampling=fancy_upsampling),
             )
 
-    def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
+    def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:
+        if apart:
+            return _CApiBatch(_capi.Workspace(self._instance), encoded)
         workspace = getattr(self._local, "workspace", None)
         if workspace is None:
             workspace = self._local.workspace = _capi.Workspace(self._instance)
@@ -282,8 +306,8 @@ class PythonApiEngine(Engine):
             apply_exif_orientation=True, color_spec=nvimgcodec.SRGB, sample_format=nvimgcodec.I_RGB
         )
 
-    def new_decoder(self, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
-        nv, kinds = self._nv, BACKENDS[backend]
+    def new_decoder(self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
+        nv, kinds = self._nv, CONFIGS[config]
         backends = None
         if kinds is not None:
             backends = [
@@ -298,8 +322,8 @@ class PythonApiEngine(Engine):
                 options=decoder_options(fancy_upsampling=fancy_upsampling),
             )
 
-    def parse(self, encoded: Sequence[Encoded]) -> EngineBatch:
-        return _PythonBatch(self._nv, self._params, encoded)
+    def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:
+        return _PythonBatch(self._nv, self._params, encoded)  # its objects are always its own
 
 
 class _PythonBatch(EngineBatch):

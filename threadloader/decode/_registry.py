@@ -17,8 +17,10 @@ import torch
 
 __all__ = ["DecoderKey", "DecoderRegistry"]
 
-#: ``(engine, device index, backend, CPU threads, fancy upsampling)``: what a Decoder is made for and by.
-DecoderKey = tuple[str, int, str, int, bool]
+#: ``(engine, device index, configuration, CPU threads, fancy upsampling, batch size)``: what a Decoder is
+#: made for and by; the batch size is 0 for a configuration without the JPEG engine (see
+#: ``_engines.uses_engine``), whose Decoders any batch size may share.
+DecoderKey = tuple[str, int, str, int, bool, int]
 
 
 class DecoderRegistry:

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -31,6 +32,7 @@ from ..errors import detached
 from . import _capi
 from ._engines import (
     BACKENDS,
+    CONFIGS,
     HARDWARE_SHARE,
     CApiEngine,
     Engine,
@@ -38,8 +40,10 @@ from ._engines import (
     Headers,
     Memory,
     PythonApiEngine,
+    uses_engine,
 )
 from ._jpeg import has_end_marker, normalize_gray_sampling, with_exif_orientation
+from ._pace import Pace, Turn
 from ._registry import DecoderKey, DecoderRegistry
 from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
 from .pillow import decode_rgb
@@ -65,9 +69,17 @@ __all__ = [
 #: measured fastest on an H200 (docs/design.md, "Decoder engines"). More Decoders cost device memory.
 DEFAULT_GPU_DECODERS = 2
 
-#: The backend that decodes regions under ``backend="auto"``, ``"all"`` and ``"split"``: with nvImageCodec
-#: 0.9.0 the only one faster on regions than on whole images (docs/benchmarks.md has the measurements).
+#: The configuration that decodes regions where a backend allows several kinds (``"auto"``, ``"all"``,
+#: ``"cuda"``, ``"split"``): with nvImageCodec 0.9.0 the only one faster on regions than on whole images
+#: (docs/benchmarks.md has the measurements).
 REGION_BACKEND = "hybrid"
+
+#: Images per decoder call that a decoder is made for by default: the front ends' GPU decode batch.
+DEFAULT_BATCH_SIZE = 64
+
+#: Images a new Decoder whose configuration leaves out the JPEG engine first decodes: enough to
+#: initialize its decoders (they do so on first use) before a reader's call is timed for its pace.
+_PRIME_IMAGES = 8
 
 #: Fewest regions in a decoder call for its failures to turn region decoding off (see _regions_failed).
 _REGIONS_TO_JUDGE = 8
@@ -124,10 +136,41 @@ def engine_named(name: str) -> Engine:
 
 
 def new_decoder(
-    engine: str, device_index: int, backend: str, cpu_threads: int, fancy_upsampling: bool
+    engine: str, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool, batch: int
 ) -> object:
-    """A new Decoder of ``engine`` on the device, limited to ``backend``'s kinds: the pools' factory."""
-    return engine_named(engine).new_decoder(device_index, backend, cpu_threads, fancy_upsampling)
+    """A new Decoder of ``engine`` on the device, limited to ``config``'s kinds: the pools' factory.
+
+    Before anyone leases it, it decodes a batch of ``batch`` images (or a few, for a configuration
+    without the JPEG engine): nvImageCodec 0.9 sizes the engine's share of every call from a Decoder's
+    first call and keeps it. A Decoder whose first call was the warm-up's 4 photos then sent 60 of
+    every 64 images to nvJPEG's CUDA decoder, at three times the CPU (docs/design.md, "Decoder
+    engines"); DALI makes its first call with its own batch size for the same reason.
+    """
+    made = engine_named(engine)
+    decoder = made.new_decoder(device_index, config, cpu_threads, fancy_upsampling)
+    try:
+        _prime(made, decoder, torch.device("cuda", device_index), batch or _PRIME_IMAGES)
+    except Exception:  # the first real call decodes, or falls back, as it would have
+        logger.debug("threadloader: priming a new nvImageCodec Decoder failed", exc_info=True)
+    return decoder
+
+
+def _prime(engine: Engine, decoder: object, device: torch.device, count: int) -> None:
+    """Decodes ``count`` copies of a bundled photo with ``decoder`` and waits for them.
+
+    In handles of its own (a reader may make a Decoder in the middle of its call), on the allocation
+    stream, which nothing else runs on, so the memory freed after is reused by decode outputs.
+    """
+    data = _sample("chelsea.jpg")
+    batch = engine.parse([data] * count, apart=True)
+    height, width = batch.headers.heights[0], batch.headers.widths[0]
+    stream = SHARED.allocation_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        memory = torch.empty((count, height, width, 3), dtype=torch.uint8, device=device)
+        step = height * width * 3
+        places = {p: Memory(memory.data_ptr() + p * step, (height, width), width * 3) for p in range(count)}
+        batch.decode(decoder, places, stream.cuda_stream)
+        stream.synchronize()  # once per Decoder: the memory is free for the next output
 
 
 def check_options(*, backend: str, gpu_decoders: object) -> None:
@@ -186,6 +229,15 @@ class _Outputs:
         return self.tensor.as_strided((height, width, 3), (row, 3, 1), offset)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What a decoder's first call chose: its engine, its pools' keys by configuration, its regions' pool."""
+
+    engine: Engine
+    keys: dict[str, DecoderKey]
+    region_key: DecoderKey
+
+
 @dataclass
 class _Decoded:
     """Decoder calls' results: the extent of each position (``None`` where given up on) and why."""
@@ -202,16 +254,21 @@ class NvImageCodecDecoder(ImageDecoder):
 
     Args:
         device: An indexed CUDA device.
-        backend: One of :data:`BACKENDS`.
+        backend: One of :data:`BACKENDS`: ``"auto"`` sends each call to the configuration that has
+            been fastest lately (``_pace.py``), the others fix one.
         cpu_threads: nvImageCodec's own CPU threads.
         fancy_upsampling: Smooth JPEG chroma upsampling, as Pillow's; off, nvImageCodec's JPEG engine
             decodes a batch in one call (see ``_engines.decoder_options``).
         max_pixels: Images whose header declares more pixels are errors, decoded by nobody.
         region_decode: Decode the region a random crop asks for instead of the whole image (where the
             device passes the region check).
-        gpu_decoders: Most Decoders this decoder makes for its configuration (engine, device, backend,
-            CPU threads, upsampling), each called by one thread at a time. The pool is process-wide:
-            decoders of one configuration share it, and regions have a pool of their own.
+        gpu_decoders: Most Decoders this decoder makes for each configuration (engine, device, backend,
+            CPU threads, upsampling, and for the JPEG engine's the batch size), each called by one
+            thread at a time. Pools are process-wide: decoders of one configuration share them, and
+            regions have a pool of their own.
+        batch_size: The images per call this decoder is mostly given: a Decoder with the JPEG engine
+            decodes at most about that many per call on it (nvImageCodec sizes the engine's share from
+            a Decoder's first call, which is made with this many).
         engine: ``"capi"`` or ``"python"`` (:data:`ENGINES`); ``None``: the C API, unless
             ``THREADLOADER_CAPI=0`` (read here), where it loads and passes its self-test on the device
             (once per process), else the Python API, with a warning saying why. Chosen, and the first
@@ -230,10 +287,13 @@ class NvImageCodecDecoder(ImageDecoder):
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         region_decode: bool = True,
         gpu_decoders: int = DEFAULT_GPU_DECODERS,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         engine: str | None = None,
         registry: DecoderRegistry = SHARED,
     ) -> None:
         check_options(backend=backend, gpu_decoders=gpu_decoders)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int of at least 1, got {batch_size!r}")
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"NvImageCodecDecoder needs an indexed CUDA device, got {device}")
         if engine is not None and engine not in ENGINES:
@@ -251,8 +311,11 @@ class NvImageCodecDecoder(ImageDecoder):
         if engine is None:  # the environment is read now, as the rest of the configuration
             engine = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
         self._wanted = engine
+        self._batch_size = batch_size
+        configs = BACKENDS[backend]
+        self._pace = Pace(configs) if len(configs) > 1 else None
         self._started = threading.Lock()
-        self._prepared: tuple[Engine, DecoderKey, DecoderKey] | None = None
+        self._prepared: _Prepared | None = None
 
     @property
     def starting(self) -> bool:
@@ -266,9 +329,9 @@ class NvImageCodecDecoder(ImageDecoder):
     @property
     def engine(self) -> str:
         """The engine this decoder decodes with: ``"capi"`` or ``"python"`` (chosen on first use)."""
-        return self._start()[0].name
+        return self._start().engine.name
 
-    def _start(self) -> tuple[Engine, DecoderKey, DecoderKey]:
+    def _start(self) -> _Prepared:
         """The engine and the pools' keys, chosen by the first call, which also makes the first Decoder.
 
         Not in the constructor: loading nvImageCodec, its self-test and a Decoder take seconds, which a
@@ -281,32 +344,47 @@ class NvImageCodecDecoder(ImageDecoder):
         with self._started:
             if self._prepared is None:
                 engine = self._choose_engine(self._wanted)
-                key = self._pool_key(engine, self._backend)
-                self._registry.release(key, self._registry.acquire(key, self._gpu_decoders))
-                mixed = self._backend in ("auto", "all", "split")  # several kinds: regions take the fastest
-                region_key = self._pool_key(engine, REGION_BACKEND if mixed else self._backend)
-                self._prepared = (engine, key, region_key)
+                configs = BACKENDS[self._backend]
+                keys = {config: self._pool_key(engine, config) for config in configs}
+                first = keys[configs[0]]
+                self._registry.release(first, self._registry.acquire(first, self._gpu_decoders))
+                # Configurations of several kinds: regions take the one fastest at regions.
+                mixed = any(CONFIGS[config] is None or len(CONFIGS[config] or ()) > 1 for config in configs)
+                region_key = self._pool_key(engine, REGION_BACKEND if mixed else configs[0])
+                self._prepared = _Prepared(engine, keys, region_key)
                 with _started_lock:
-                    _started_on.add(key[1])
+                    _started_on.add(first[1])
             return self._prepared
 
-    def _pool_key(self, engine: Engine, backend: str) -> DecoderKey:
-        """The key of the pool of Decoders that ``engine`` makes for this decoder's options."""
+    def _pool_key(self, engine: Engine, config: str) -> DecoderKey:
+        """The key of the pool of Decoders that ``engine`` makes in ``config`` for this decoder's options."""
         index = self.device.index
         assert index is not None  # a CUDA device's index, set by the constructor
-        return (engine.name, index, backend, self._cpu_threads, self._fancy_upsampling)
+        batch = self._batch_size if uses_engine(config) else 0
+        return (engine.name, index, config, self._cpu_threads, self._fancy_upsampling, batch)
 
     @property
     def _engine(self) -> Engine:
-        return self._start()[0]
-
-    @property
-    def _key(self) -> DecoderKey:
-        return self._start()[1]
+        return self._start().engine
 
     @property
     def _region_key(self) -> DecoderKey:
-        return self._start()[2]
+        return self._start().region_key
+
+    def _whole_key(self) -> tuple[DecoderKey, Turn | None]:
+        """The pool the next call's whole images decode on, and the turn whose pace it tells (``auto``)."""
+        keys = self._start().keys
+        if self._pace is None:
+            return next(iter(keys.values())), None
+        turn = self._pace.choose()
+        return keys[turn.arm], turn
+
+    def pace(self) -> dict[str, float]:
+        """Seconds per image lately of each configuration ``backend="auto"`` chooses between (measured ones).
+
+        Empty for a fixed backend. For diagnostics and benchmarks: the choice itself is automatic.
+        """
+        return {} if self._pace is None else self._pace.seconds_per_image()
 
     def _choose_engine(self, wanted: str) -> Engine:
         """The engine asked for: the C API where it works on this device, else the Python API."""
@@ -331,7 +409,7 @@ class NvImageCodecDecoder(ImageDecoder):
         try:
             # The default backend's pool, which the warm-up fills anyway.
             reason = _self_test(
-                engine, self._registry, self._pool_key(engine, "auto"), self._gpu_decoders, self.device
+                engine, self._registry, self._pool_key(engine, "cuda"), self._gpu_decoders, self.device
             )
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
@@ -423,13 +501,13 @@ class NvImageCodecDecoder(ImageDecoder):
             uncertain = parsed.batch.uncertain.intersection(parsed.shapes)
             outputs = self._allocate(parsed.shapes, parsed.regions, len(encoded), pad and not uncertain)
         handle = stream.cuda_stream
-        calls = [
-            (key, {p: outputs.memory[p] for p in parsed.shapes if (p in parsed.regions) == is_region})
-            for key, is_region in ((self._key, False), (self._region_key, True))
-        ]
-        decoded = self._decode_leased(
-            [(key, memory) for key, memory in calls if memory], parsed.batch, handle, stats
-        )
+        calls: list[tuple[DecoderKey, Turn | None, dict[int, Memory]]] = []
+        whole = {p: outputs.memory[p] for p in parsed.shapes if p not in parsed.regions}
+        if whole:
+            calls.append((*self._whole_key(), whole))
+        if parsed.regions:
+            calls.append((self._region_key, None, {p: outputs.memory[p] for p in parsed.regions}))
+        decoded = self._decode_leased(calls, parsed.batch, handle, stats)
         extents: list[tuple[int, int] | None] = [None] * len(encoded)
         rows: set[int] = set()
         own: dict[int, torch.Tensor] = {}
@@ -448,7 +526,7 @@ class NvImageCodecDecoder(ImageDecoder):
         if failed:  # regions the GPU gave up on: decode those images whole on the GPU, crop after
             parsed.batch.uncrop(failed)
             _dense(self.device, {p: parsed.wholes[p] for p in failed}, wholes, self._output_memory)
-            retried = self._decode_leased([(self._key, wholes.memory)], parsed.batch, handle, stats)
+            retried = self._decode_leased([(*self._whole_key(), wholes.memory)], parsed.batch, handle, stats)
             reasons = {p: reason for p, reason in reasons.items() if p not in failed}
             reasons.update(retried.reasons)
             for position, extent in retried.extents.items():
@@ -525,7 +603,7 @@ class NvImageCodecDecoder(ImageDecoder):
 
     def _decode_leased(
         self,
-        calls: list[tuple[DecoderKey, dict[int, Memory]]],
+        calls: list[tuple[DecoderKey, Turn | None, dict[int, Memory]]],
         batch: EngineBatch,
         handle: int,
         stats: StatsRecorder,
@@ -533,21 +611,34 @@ class NvImageCodecDecoder(ImageDecoder):
         """Calls a leased Decoder of each configuration with its positions and their memory.
 
         A sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting
-        for a free Decoder is the ``decode_lock`` stage.
+        for a free Decoder is the ``decode_lock`` stage. A call whose configuration is named is timed
+        for the pace of ``backend="auto"``.
         """
         decoded = _Decoded()
-        for key, memory in calls:
-            with stats.timed("decode_lock"):
-                decoder = self._registry.acquire(key, self._gpu_decoders)
+        for key, turn, memory in calls:
             try:
-                try:
-                    with stats.timed("decode"):
-                        extents = batch.decode(decoder, memory, handle)
-                except Exception as exc:  # the whole call failed: each sample to Pillow
-                    extents = dict.fromkeys(memory)
-                    decoded.reasons.update(dict.fromkeys(memory, f"nvImageCodec failed ({exc})"))
+                with stats.timed("decode_lock"):
+                    decoder = self._registry.acquire(key, self._gpu_decoders)
+            except BaseException:
+                if turn is not None and self._pace is not None:
+                    self._pace.abandon(turn)
+                raise
+            extents: dict[int, tuple[int, int] | None] = dict.fromkeys(memory)
+            started, timed = time.perf_counter(), None
+            try:
+                with stats.timed("decode"):
+                    extents = batch.decode(decoder, memory, handle)
+                timed = time.perf_counter() - started
+            except Exception as exc:  # the whole call failed: each sample to Pillow
+                decoded.reasons.update(dict.fromkeys(memory, f"nvImageCodec failed ({exc})"))
+                timed = 0.0
             finally:
                 self._registry.release(key, decoder)
+                if turn is not None and self._pace is not None:
+                    if timed is None:  # cancelled or interrupted: no measurement
+                        self._pace.abandon(turn)
+                    else:
+                        self._pace.record(turn, sum(e is not None for e in extents.values()), timed)
             for position, extent in extents.items():
                 if extent is None:
                     decoded.reasons.setdefault(position, "nvImageCodec returned no image")
