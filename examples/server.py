@@ -26,7 +26,8 @@ pixels per image (413, read from the header before decoding) and pixels being de
 requests, which bounds decode memory (503 after waiting too long for room). Every error is one line of
 JSON, ``{"error": "..."}``, those of http.server's own parsing too (400 for a bad request line, 501 for
 a method not served, 505 for a request line without an HTTP version, 431 for huge headers): never an
-HTML page, a traceback, or the decoder's internals (its request numbers).
+HTML page, a traceback, or the decoder's internals (its request numbers). A path served by another
+method is 405 with an ``Allow`` header (``GET /predict``: ``Allow: POST``); a path not served, 404.
 """
 
 from __future__ import annotations
@@ -81,12 +82,17 @@ class Limits:
     decode_wait_s: float = DECODE_WAIT_S
 
 
-class Refused(Exception):
-    """A request the server will not serve, with the HTTP status that says why."""
+#: The method each path is served by.
+ROUTES = {"/health": "GET", "/stats": "GET", "/predict": "POST"}
 
-    def __init__(self, status: int, message: str) -> None:
+
+class Refused(Exception):
+    """A request the server will not serve, with the HTTP status that says why (and its headers)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 class PixelBudget:
@@ -317,15 +323,16 @@ class Handler(BaseHTTPRequestHandler):
             pixels = {"pixels_in_flight": budget.limit - budget.free, "max_pixels_in_flight": budget.limit}
             self._reply(200, {**self.server.classifier.stats(), **pixels})
         else:
-            self._reply(404, {"error": f"no such path {self.path[:100]!r}: POST /predict, GET /stats"})
+            refused = self._not_served()
+            self._reply(refused.status, {"error": str(refused)}, refused.headers)
 
     def do_POST(self) -> None:
         try:
             if self.path != "/predict":
-                raise Refused(404, f"no such path {self.path[:100]!r}: POST the image to /predict")
+                raise self._not_served()
             self._reply(200, self.server.classifier.predict(self._body()))
         except Refused as refused:
-            self._reply(refused.status, {"error": str(refused)})
+            self._reply(refused.status, {"error": str(refused)}, refused.headers)
         except SampleError as error:  # its reason alone: the index and origin are the service's own
             self._reply(400, {"error": f"the body is not an image this server decodes: {error.reason}"})
         except QueueFullError:  # its message is for the operator (max_queue), not the client
@@ -337,6 +344,15 @@ class Handler(BaseHTTPRequestHandler):
         except Exception:
             traceback.print_exc()  # the details stay here; the client learns only that it failed
             self._reply(500, {"error": "internal error"})
+
+    def _not_served(self) -> Refused:
+        """405 with ``Allow`` for a path that another method serves (RFC 9110, 15.5.6), else 404."""
+        path = self.path[:100]
+        allowed = ROUTES.get(self.path)
+        if allowed is None:
+            served = ", ".join(f"{method} {route}" for route, method in ROUTES.items())
+            return Refused(404, f"no such path {path!r}: this server serves {served}")
+        return Refused(405, f"{self.command} {path} is not served: use {allowed} {path}", {"Allow": allowed})
 
     def _body(self) -> bytes:
         """The request body, read only once its declared length is known to be acceptable."""
@@ -361,19 +377,27 @@ class Handler(BaseHTTPRequestHandler):
             raise Refused(400, f"the body ended after {len(body):,} of {length:,} bytes")
         return body
 
-    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+    def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         if status >= 400:
             self.close_connection = True  # any body left unread must not be taken for the next request
-        self.wfile.write(_response(status, payload, close=self.close_connection))
+        self.wfile.write(_response(status, payload, close=self.close_connection, headers=headers))
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would cost more than the decode
 
 
-def _response(status: int, payload: dict[str, Any], *, close: bool = True, body: bool = True) -> bytes:
+def _response(
+    status: int,
+    payload: dict[str, Any],
+    *,
+    close: bool = True,
+    body: bool = True,
+    headers: dict[str, str] | None = None,
+) -> bytes:
     """A whole HTTP/1.1 response, so it goes out in one write; ``body=False`` for a HEAD request."""
     content = json.dumps(payload).encode()
     head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     head += f"Content-Length: {len(content)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
     return head.encode() + (content if body else b"")
 

@@ -434,3 +434,29 @@ def test_a_busy_or_closing_decoder_is_503_without_its_settings(error: Exception,
         server.classifier._decode = refuse
         status, reply = post(server, GOOD)
     assert (status, reply) == (503, {"error": f"the server is {message}; retry later"})
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("GET", "/predict", "POST"), ("POST", "/stats", "GET"), ("POST", "/health", "GET")],
+)
+def test_a_path_served_by_another_method_is_405_with_allow(method: str, path: str, allow: str) -> None:
+    with running() as server:
+        connection = http.client.HTTPConnection(HOST, port_of(server), timeout=CLIENT_TIMEOUT)
+        try:
+            connection.request(method, path, GOOD if method == "POST" else None)
+            response = connection.getresponse()
+            status, headers, reply = response.status, response.headers, json.loads(response.read())
+        finally:
+            connection.close()
+        assert post(server, GOOD)[0] == 200  # and the server still serves
+    assert (status, headers["Allow"], headers["Content-Type"]) == (405, allow, "application/json")
+    assert list(reply) == ["error"] and f"{allow} {path}" in reply["error"], reply
+    assert "no such" not in reply["error"], reply
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_path_not_served_is_404_naming_it(method: str) -> None:
+    with running() as server:
+        status, reply = exchange(server, f"{method} /nope HTTP/1.1\r\nContent-Length: 0\r\n\r\n".encode())
+    assert status == 404 and "'/nope'" in reply["error"] and "POST /predict" in reply["error"], reply
