@@ -2,8 +2,11 @@
 
 Usage (one process per GPU; ``--nproc-per-node 1`` is the one-GPU baseline)::
 
-    torchrun --nproc-per-node 2 -m benchmarks.ddp_train --out ddp2.json
+    torchrun --nproc-per-node 2 -m benchmarks.ddp_train
     torchrun --nproc-per-node 1 -m benchmarks.ddp_train --out ddp1.json
+
+Each rank prints its line and rank 0 the total and the resume check; ``--out`` also writes them, as
+JSON, to that file.
 
 On the CPU with gloo and tiny settings (the smoke test in tests/test_distributed.py), one command::
 
@@ -76,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--resume-at", type=int, default=None, help="k (default: 2 steps before an epoch ends)")
     p.add_argument("--resume-steps", type=int, default=5)
-    p.add_argument("--out", type=Path, required=True, help="JSON results (written by rank 0)")
+    p.add_argument("--out", type=Path, default=None, help="also write the results there as JSON (rank 0)")
     return p.parse_args(argv)
 
 
@@ -290,8 +293,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "ranks": everyone,
                 "resume_check": "PASS" if passed else "FAIL",
             }
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            if args.out is not None:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
             print(f"total: {result['images_per_s_total']:.0f} img/s on {world_size} rank(s)")
             print(f"resume check: {result['resume_check']}", flush=True)
         dist.barrier()  # no rank leaves with collectives of another still in flight
