@@ -1118,7 +1118,7 @@ def test_skip_leaves_bad_samples_out(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="threadloader"):
         assert epoch(loader) == [[0, 2], [6, 7]]
-    assert len([r for r in caplog.records if r.name == "threadloader"]) == 4
+    assert [r for r in caplog.records if r.name == "threadloader"] == []  # logged once per sample
     assert loader.stats().skipped == 8
 
 

@@ -8,7 +8,9 @@ stream, and ends with the event that the consumer's stream waits on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,7 +60,8 @@ class BatchProducer:
         on_error: ``"raise"`` makes the batch fail with the sample's :class:`SampleError`; ``"skip"`` counts
             the sample, leaves it out and passes its error to ``on_skip``.
         stats: Where counters and stage times go.
-        on_skip: Called with each skipped sample's error, in the reader thread; default: log a warning.
+        on_skip: Called with each skipped sample's error, in the reader thread; default: log a warning the
+            first time a sample is skipped (:class:`_SkipLog`).
         transform: Applied to each decoded ``(3, H, W)`` image before ``output``; random parameters come
             from a generator seeded by (``seed``, epoch, sample index) and the image's size, which the
             decoder may know from the header: a random crop then decodes only its region.
@@ -87,7 +90,7 @@ class BatchProducer:
         self._output = output
         self._on_error = on_error
         self._stats = stats
-        self._on_skip = on_skip or _log_skip
+        self._on_skip = on_skip or _skip_log_of(stats)
 
     def produce(
         self, batches: Sequence[Sequence[int]], reader: ReaderStream, *, epoch: int = 0
@@ -330,8 +333,38 @@ def _all_padded(decoded: DecodedBatch) -> bool:
     return decoded.batch is not None and len(decoded.rows) == len(decoded.extents)
 
 
-def _log_skip(error: SampleError) -> None:
-    logger.warning("skipping %s", error)
+class _SkipLog:
+    """The default ``on_skip``: one warning per bad sample, however many epochs skip it again.
+
+    A bad file is a fact about the data set: said once, it is known; said every epoch, it buries the
+    other lines of a long run. ``stats().skipped`` and ``.errors`` still count every skip.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged: set[int] = set()
+
+    def __call__(self, error: SampleError) -> None:
+        with self._lock:
+            if error.index in self._logged:
+                return
+            self._logged.add(error.index)
+        logger.warning("skipping %s", error)
+
+
+#: The skip log of each loader, found by its StatsRecorder: the producers a loader makes (its CPU
+#: start's, another seed's after load_state_dict) share that recorder and no other object of the loader.
+_skip_logs: weakref.WeakKeyDictionary[StatsRecorder, _SkipLog] = weakref.WeakKeyDictionary()
+_skip_logs_lock = threading.Lock()
+
+
+def _skip_log_of(stats: StatsRecorder) -> _SkipLog:
+    """The skip log shared by every producer that counts into ``stats``."""
+    with _skip_logs_lock:
+        log = _skip_logs.get(stats)
+        if log is None:
+            log = _skip_logs[stats] = _SkipLog()
+        return log
 
 
 def collate_targets(targets: list[Any]) -> Any:
