@@ -19,9 +19,7 @@ from threadloader import SampleError, ShardError, TarShards, ThreadLoader
 from .conftest import encode, photo, pil_reference
 from .test_tar import member_offset, sample, write_shard
 
-fsspec = pytest.importorskip(
-    "fsspec", reason="remote sources need fsspec: pip install 'threadloader[remote]'"
-)
+fsspec = pytest.importorskip("fsspec", reason="remote sources need fsspec: pip install -e '.[remote]'")
 
 H, W = 16, 24
 N = 8
@@ -188,7 +186,7 @@ class _PlainHandler(SimpleHTTPRequestHandler):
 
 
 def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[str]:
-    pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install 'threadloader[remote]'")
+    pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install -e '.[remote]'")
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, name="test-http", daemon=True)
     thread.start()
@@ -255,10 +253,10 @@ def no_fsspec(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec now raises ImportError
 
 
-def test_without_fsspec_the_error_names_the_extra(no_fsspec: None) -> None:
-    with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
+def test_without_fsspec_the_error_names_the_package(no_fsspec: None) -> None:
+    with pytest.raises(ImportError, match=r"pip install 'fsspec\[http\]'"):
         ThreadLoader(["s3://bucket/a.jpg"])
-    with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
+    with pytest.raises(ImportError, match=r"pip install 'fsspec\[http\]'"):
         ThreadLoader("gs://bucket/{0..3}.tar")
 
     class Remote:  # no early check for a dataset: the read raises it, as a set-up error, not a sample's
@@ -269,7 +267,7 @@ def test_without_fsspec_the_error_names_the_extra(no_fsspec: None) -> None:
             return "https://example.invalid/a.jpg"
 
     loader = ThreadLoader(Remote(), batch_size=2)
-    with pytest.raises(ImportError, match=r"threadloader\[remote\]"):
+    with pytest.raises(ImportError, match=r"pip install 'fsspec\[http\]'"):
         next(iter(loader))
     loader.close()
 

@@ -1,8 +1,9 @@
 """Bytes behind URLs (``s3://``, ``gs://``, ``https://``, ``file://``, ``memory://``), through fsspec.
 
-fsspec is an optional dependency (``pip install 'threadloader[remote]'``), imported only when a URL
-is seen. Every read here is stateless (``cat_file`` of a whole file or of a byte range), so reader
-threads can share one filesystem object: there is no file position to race on.
+fsspec is an optional dependency (the ``remote`` extra: ``pip install 'fsspec[http]'``, or
+``pip install -e '.[remote]'`` in a checkout), imported only when a URL is seen. Every read here is
+stateless (``cat_file`` of a whole file or of a byte range), so reader threads can share one
+filesystem object: there is no file position to race on.
 
 Resolving a URL to its filesystem (``url_to_fs``) costs more than a small read from memory (22-25 us
 with the GIL held, half of a ``file://`` read of 100 KB: docs/design.md), so each thread keeps the
@@ -34,7 +35,10 @@ def is_url(text: str) -> bool:
 
 
 def require_fsspec(url: str) -> Any:
-    """Imports fsspec, or says which extra to install to read ``url``.
+    """Imports fsspec, or says what to install to read ``url``.
+
+    The message names the package itself, as the ``remote`` extra declares it: threadloader is not on
+    PyPI, so an install by the extra's name alone would find nothing.
 
     Raises:
         ImportError: If fsspec is not installed.
@@ -43,8 +47,9 @@ def require_fsspec(url: str) -> Any:
         import fsspec
     except ImportError as exc:
         raise ImportError(
-            f"reading {url!r} needs fsspec: pip install 'threadloader[remote]' (plus the protocol's own "
-            "package where fsspec needs one: s3fs for s3://, gcsfs for gs://)"
+            f"reading {url!r} needs fsspec: pip install 'fsspec[http]' (threadloader's remote extra; in "
+            "a threadloader checkout, pip install -e '.[remote]'), plus the protocol's own package where "
+            "fsspec needs one: s3fs for s3://, gcsfs for gs://"
         ) from exc
     return fsspec
 
