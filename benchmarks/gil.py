@@ -19,6 +19,11 @@ the loop, and the main thread's delay per image loaded: (loop time beside the lo
 time alone) / images loaded meanwhile. Each is measured at every ``--switch-intervals`` value
 (``sys.setswitchinterval``: how long a thread that wants the GIL waits before the holder is asked
 to drop it).
+
+Every window starts once the load is past its start: a GPU ThreadLoader's batches are counted from
+its first past the CPU start (``loaders._past_the_cpu_start`` drops the Pillow ones), so no window
+falls inside nvImageCodec's start. A window in which a load loaded nothing says so ("none in 1 s"),
+rather than 0 images/s.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class GilRow:
     images_per_s_alone: float | None  # the load with the main thread idle
     images_per_s_beside: float | None  # the load while the loop runs
     delay_us_per_image: float | None  # main-thread delay per image loaded meanwhile
+    images_alone: int | None = None  # images loaded in the alone window (0: it was empty)
+    images_beside: int | None = None  # images loaded in the beside window
+    seconds_alone: float | None = None  # the windows' lengths
+    seconds_beside: float | None = None
 
     @property
     def slowdown(self) -> float:
@@ -143,6 +152,9 @@ def _threadloader(
             engine=engine,
         )
         try:
+            # The first batch is the start-up's; the stream hands the next one once the loader is past
+            # its CPU start (loaders._past_the_cpu_start), so counting from it starts the windows there.
+            next(stream)
             for images, _ in stream:
                 counter.images += images.shape[0]
                 if stop.is_set():
@@ -205,7 +217,8 @@ def measure(args: argparse.Namespace) -> list[GilRow]:
                     load.wait_started(counts_images=counts)
                     before = load.images
                     time.sleep(args.seconds)
-                    idle_rate = (load.images - before) / args.seconds if counts else None
+                    idle_images = load.images - before
+                    idle_rate = idle_images / args.seconds if counts else None
                     for ops in args.ops:
                         before = load.images
                         count, wall = op_loop(ops, args.seconds)
@@ -220,6 +233,10 @@ def measure(args: argparse.Namespace) -> list[GilRow]:
                             images_per_s_alone=idle_rate,
                             images_per_s_beside=images / wall if counts else None,
                             delay_us_per_image=1e6 * delay / images if counts and images else None,
+                            images_alone=idle_images if counts else None,
+                            images_beside=images if counts else None,
+                            seconds_alone=args.seconds,
+                            seconds_beside=wall,
                         )
                         rows.append(row)
                         print(f"    {_line(row)}", file=sys.stderr, flush=True)
@@ -232,10 +249,25 @@ def measure(args: argparse.Namespace) -> list[GilRow]:
 
 def _line(row: GilRow) -> str:
     delay = "—" if row.delay_us_per_image is None else f"{row.delay_us_per_image:,.0f} us/image"
+    empty = [
+        f"no image loaded in its {name} window"
+        for name, images in (("alone", row.images_alone), ("beside", row.images_beside))
+        if images == 0
+    ]
     return (
         f"switch {row.switch_interval_ms:g} ms, {row.background}, {row.ops} ops: "
         f"{row.op_us_alone:.2f} -> {row.op_us_beside:.2f} us/op ({row.slowdown:.1f}x), {delay}"
+        + "".join(f"; {note}" for note in empty)
     )
+
+
+def _rate_cell(rate: float | None, images: int | None, seconds: float | None) -> str:
+    """An images/s cell: "—" for a load that counts no images, and an empty window said as such."""
+    if rate is None:
+        return "—"
+    if images == 0:
+        return "none in the window" if seconds is None else f"none in {seconds:.2g} s"
+    return f"{rate:,.0f}"
 
 
 def markdown(rows: Sequence[GilRow], config: dict[str, object]) -> str:
@@ -258,10 +290,11 @@ def markdown(rows: Sequence[GilRow], config: dict[str, object]) -> str:
         "|" + "---|" * len(header),
     ]
     for r in rows:
-        optional = [r.images_per_s_alone, r.images_per_s_beside, r.delay_us_per_image]
         cells = [f"{r.switch_interval_ms:g}", r.background, r.ops, f"{r.op_us_alone:.2f}"]
         cells += [f"{r.op_us_beside:.2f}", f"{r.slowdown:.1f}x"]
-        cells += ["—" if v is None else f"{v:,.0f}" for v in optional]
+        cells += [_rate_cell(r.images_per_s_alone, r.images_alone, r.seconds_alone)]
+        cells += [_rate_cell(r.images_per_s_beside, r.images_beside, r.seconds_beside)]
+        cells += ["—" if r.delay_us_per_image is None else f"{r.delay_us_per_image:,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

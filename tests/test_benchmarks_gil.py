@@ -1,0 +1,74 @@
+"""benchmarks.gil's windows: they start past a loader's start, and an empty one says so."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import gil
+
+from .conftest import encode, photo
+
+BATCH = 4
+#: How long the fake loader's start holds its second batch back: longer than a window.
+START_S = 1.5
+WINDOW_S = 0.3
+
+
+def slow_start(root: Path, **_: Any) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+    """A stream like a fresh GPU loader's: the first batch, then nothing while the CPU start drains
+    (``loaders._past_the_cpu_start``), then steady batches."""
+    batch = torch.zeros(BATCH, 3, 8, 8), torch.zeros(BATCH, dtype=torch.long)
+    yield batch
+    time.sleep(START_S)
+    while True:
+        time.sleep(0.005)
+        yield batch
+
+
+def test_the_alone_window_starts_after_the_loaders_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "0.jpg").write_bytes(encode(photo(8, 8)))
+    monkeypatch.setattr(gil.loaders, "threadloader", slow_start)
+    args = argparse.Namespace(
+        root=tmp_path,
+        backgrounds=["threadloader"],
+        device="cpu",
+        batch_size=BATCH,
+        engines=["capi"],
+        switch_intervals=[0.005],
+        ops=["cpu"],
+        seconds=WINDOW_S,
+    )
+    (row,) = gil.measure(args)
+    assert row.images_per_s_alone is not None
+    assert row.images_per_s_alone > 0.3 * BATCH / 0.005, row  # steady batches, none of the start's stall
+    assert row.images_per_s_alone == pytest.approx(row.images_alone / WINDOW_S)
+
+
+def test_an_empty_window_is_said_not_reported_as_zero() -> None:
+    row = gil.GilRow(
+        switch_interval_ms=5,
+        background="threadloader[capi]",
+        ops="cuda",
+        op_us_alone=1.0,
+        op_us_beside=2.0,
+        images_per_s_alone=0.0,
+        images_per_s_beside=500.0,
+        delay_us_per_image=10.0,
+        images_alone=0,
+        images_beside=500,
+        seconds_alone=1.0,
+        seconds_beside=1.0,
+    )
+    table = gil.markdown([row], {})
+    assert "| 2.0x | none in 1 s | 500 | 10 |" in table, table
+    assert "no image loaded in its alone window" in gil._line(row)
