@@ -94,6 +94,8 @@ def header_size(data: Encoded) -> tuple[int, int]:
         return image.size
 
 
+#: Bytes of packed rows per step of :func:`_rgb_array`: few steps, and little memory beside the array.
+_CHUNK = 1 << 20
 #: The EXIF orientation tag, and its values that flip or rotate the image (1 is upright).
 _ORIENTATION = 0x0112
 _TURNS = frozenset(range(2, 9))
@@ -118,12 +120,57 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
         image.load()
         # exif_transpose copies an image it does not turn: only call it for an orientation that turns.
         turned = image.getexif().get(_ORIENTATION, 1) in _TURNS
-        oriented = ImageOps.exif_transpose(image) if turned else image
+        oriented = _replacing(image, ImageOps.exif_transpose(image)) if turned else image
         if oriented.mode in _SIXTEEN_BIT_GRAY:
             gray = (np.asarray(oriented, dtype=np.uint32) >> 8).clip(0, 255).astype(np.uint8)
             return np.repeat(gray[..., None], 3, axis=2)
-        rgb = oriented if oriented.mode == "RGB" else oriented.convert("RGB")
-        return np.array(rgb)  # writable, so torch.from_numpy can share it
+        rgb = oriented if oriented.mode == "RGB" else _replacing(oriented, oriented.convert("RGB"))
+        return _rgb_array(rgb)
+
+
+def _replacing(image: Image.Image, replacement: Image.Image | None) -> Image.Image:
+    """``replacement``, with ``image``'s pixels freed now.
+
+    A large image's steps then never hold three copies at once: the decode, its replacement, the array.
+    """
+    if replacement is None or replacement is image:
+        return image
+    image.close()
+    return replacement
+
+
+def _rgb_array(rgb: Image.Image) -> np.ndarray:
+    """An RGB image's pixels as a writable ``(H, W, 3)`` array (torch.from_numpy shares it), in one copy.
+
+    ``np.array(image)`` goes through ``image.tobytes()``, which joins the packed rows into one bytes
+    object and then copies it: the image, its packed chunks, their join and the array were all in
+    memory at once, over three times the image's RGB size. Here Pillow's raw encoder, as ``tobytes``
+    drives it, packs the rows straight into the array, a chunk at a time: Pillow's decode and the
+    array are all there is. Where that encoder cannot be had, the array comes from ``np.array``.
+    """
+    width, height = rgb.size
+    array = np.empty((height, width, 3), dtype=np.uint8)
+    if not array.size:
+        return array
+    try:
+        encoder = Image._getencoder("RGB", "raw", "RGB")
+    except (AttributeError, OSError):
+        return np.array(rgb)
+    out = memoryview(array).cast("B")
+    filled = 0
+    try:
+        encoder.setimage(rgb.im, (0, 0, width, height))
+        while True:
+            _, status, chunk = encoder.encode(max(_CHUNK, width * 4))  # at least a row (RawEncode.c)
+            out[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+            if status:
+                break
+    finally:
+        encoder.cleanup()
+    if status < 0 or filled != array.size:
+        raise RuntimeError(f"Pillow's raw encoder gave {filled} bytes of {array.size} (status {status})")
+    return array
 
 
 class PillowDecoder(ImageDecoder):
