@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import os
 import sys
 import threading
 import time
@@ -254,6 +255,11 @@ class OrderedPool(Generic[T]):
         on_ahead: Told the seconds a thread waited because ``window`` tasks were taken and not yet
             handed out, in that thread, outside the pool's lock: a consumer slower than the threads,
             or an oldest task still in the works while later ones are done (results go out in order).
+
+    Threads beyond the process's cores take their first task once the first task's result is in: all
+    starting at once, more threads than cores share them, and the first result, the one the consumer
+    waits for, comes when nearly all of theirs do, many times later than with one thread per core.
+    Afterwards every thread takes tasks as they come, so steady throughput is unchanged.
     """
 
     def __init__(
@@ -276,6 +282,8 @@ class OrderedPool(Generic[T]):
         self._end: int | None = None  # number of tasks, once the iterator is exhausted
         self._results: dict[int, tuple[bool, Any]] = {}
         self._closed_error: Callable[[], BaseException] | None = None  # set once, by the first close
+        self._eager = min(num_threads, _cores())  # threads that take tasks from the start
+        self._first_in = False  # the first task's result is in: every thread takes tasks
         self._group = ThreadGroup(
             name=name,
             count=num_threads,
@@ -345,15 +353,18 @@ class OrderedPool(Generic[T]):
         """Whether ``window`` tasks are taken and not yet handed out (call with the lock held)."""
         return self._taken >= self._handed + self._window
 
-    def _take(self) -> tuple[int, Any] | None:
+    def _take(self, index: int) -> tuple[int, Any] | None:
         """The next task and its place, once the window has room; ``None`` when the thread should end.
 
-        A wait for room is told to ``on_ahead`` after the lock is released, also when the tasks ran out
+        Thread ``index`` past the eager ones first waits for the first task's result (see the class). A
+        wait for room is told to ``on_ahead`` after the lock is released, also when the tasks ran out
         meanwhile, and not when the pool was closed.
         """
         ahead = 0.0
         try:
             with self._cv:
+                while index >= self._eager and not (self._first_in or self.closed or self._end is not None):
+                    self._cv.wait()
                 if self._full():
                     started = time.perf_counter()
                     while not self.closed and self._end is None and self._full():
@@ -380,7 +391,7 @@ class OrderedPool(Generic[T]):
                 self._on_ahead(ahead)
 
     def _run(self, index: int) -> None:
-        while (taken := self._take()) is not None:
+        while (taken := self._take(index)) is not None:
             seq, task = taken
             try:
                 result: tuple[bool, Any] = (True, self._work(task, index))
@@ -390,7 +401,15 @@ class OrderedPool(Generic[T]):
                 if self.closed:
                     return
                 self._results[seq] = result
+                self._first_in = self._first_in or seq == 0
                 self._cv.notify_all()
+
+
+def _cores() -> int:
+    """CPUs this process may run on (its affinity where the OS reports it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def _uninterrupted(*steps: Callable[[], object]) -> None:
