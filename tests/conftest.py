@@ -22,10 +22,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from threadloader._options import Setup
-from threadloader._stats import StatsRecorder
-from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
-from threadloader.decode.base import RegionOf
+from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder, RegionOf, StageRecorder
 
 if not torch.cuda.is_available():
     # Triton's kernels (transforms/_kernels.py) then run in its interpreter, on CPU tensors, where a
@@ -243,7 +240,7 @@ def nvimgcodec_started(request: pytest.FixtureRequest) -> None:
     if GPU_SKIP_REASON is None and request.node.get_closest_marker("gpu") is not None:
         from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
-        decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+        decoder = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2)
         if decoder.starting:
             assert decoder.engine in ("capi", "python")  # chooses the engine: nvImageCodec is started
 
@@ -259,7 +256,13 @@ def no_leaked_threads() -> Iterator[None]:
 
 
 class GatedDecoder(ImageDecoder):
-    """Pillow behind a gate: a call blocks until the test opens it, so the queue's state is known."""
+    """Pillow behind a gate: a call blocks until the test opens it, so the queue's state is known.
+
+    ``warms_up`` and ``starting`` are plain attributes: a test sets them to stand for nvImageCodec.
+    """
+
+    warms_up = False
+    starting = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -274,7 +277,7 @@ class GatedDecoder(ImageDecoder):
         encoded: Sequence[bytes | bytearray | memoryview],
         *,
         stream: None,
-        stats: StatsRecorder | None = None,
+        stats: StageRecorder | None = None,
         region_of: RegionOf | None = None,
         pad: bool = False,
     ) -> DecodedBatch:
@@ -310,32 +313,3 @@ def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.Co
         text=True,
         timeout=300,
     )
-
-
-def set_up_on_a_gpu(**options: object) -> Setup:
-    """``_options.set_up`` as a GPU front end calls it with its defaults, ``options`` replacing some.
-
-    For tests of what the setup derives (warm-up, decoder threads) with ``resolve_device`` and
-    ``make_decoder`` stood in for by the test, so no GPU is touched.
-    """
-    from threadloader import _options
-
-    settings: dict[str, object] = {
-        "size": None,
-        "dtype": torch.uint8,
-        "mean": None,
-        "std": None,
-        "channels_last": False,
-        "device": "cuda",
-        "num_threads": 2,
-        "backend": "auto",
-        "decode_threads": None,
-        "gpu_decoders": None,
-        "jpeg_fancy_upsampling": True,
-        "max_pixels": None,
-        "region_decode": None,
-        "decoder": None,
-        "batch_size": 32,
-        "decode_batch_size": None,
-    }
-    return _options.set_up(None, **(settings | options))  # type: ignore[arg-type]

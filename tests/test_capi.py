@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from threadloader.decode import _capi
-from threadloader.decode._jpeg import with_exif_orientation
+from threadloader.decode.nvimgcodec import _capi
+from threadloader.decode.nvimgcodec._jpeg import with_exif_orientation
 
 from .conftest import encode, photo, pil_reference
 
@@ -209,7 +209,7 @@ def test_the_upsampling_option_reaches_nvimgcodecs_cpu_jpeg_decoder(fancy: bool)
     """``jpeg_fancy_upsampling=False``'s options string repeats each 4:2:0 chroma sample on the CPU
     decoder too; on, the decoder interpolates as Pillow does. The image's chroma is constant in 2x2
     blocks, so repeating restores the image encoded (the reference) and interpolating does not."""
-    from threadloader.decode._engines import decoder_options
+    from threadloader.decode.nvimgcodec._engines import decoder_options
 
     original = np.random.default_rng(3).integers(0, 256, (40, 48, 3), dtype=np.uint8)
     original = original.repeat(2, axis=0).repeat(2, axis=1)

@@ -13,8 +13,6 @@ import pytest
 from threadloader import BatchDecoder, ThreadLoader
 from threadloader.decode.nvimgcodec import DecoderRegistry
 
-from .conftest import set_up_on_a_gpu
-
 KEY = (0, "auto", 2)
 
 
@@ -129,7 +127,7 @@ def test_gpu_decoders_beside_a_decoder_of_ones_own_is_refused() -> None:
     from threadloader.decode.pillow import PillowDecoder
 
     with pytest.raises(ValueError, match="gpu_decoders configure the built-in decoder"):
-        ThreadLoader([b"x"], batch_size=1, decoder=PillowDecoder(), gpu_decoders=2)
+        ThreadLoader([b"x"], batch_size=1, decoder=PillowDecoder(), gpu_decoders=3)
 
 
 def test_gpu_decoders_is_ignored_on_the_cpu() -> None:
@@ -161,7 +159,7 @@ def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
         return object()
 
     decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0), cpu_threads=3, engine="python", registry=DecoderRegistry(new)
+        torch.device("cuda", 0), decode_threads=3, engine="python", registry=DecoderRegistry(new)
     )
     assert not entered.is_set()  # the constructor made nothing
     release.set()
@@ -182,34 +180,6 @@ def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
     # Tried again after the failure; made once for four callers: backend="auto"'s first configuration,
     # nvImageCodec's own choice, made for the default batch size (it has the JPEG engine).
     assert made == [("python", 0, "all", 3, True, 64)]
-
-
-@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
-def test_backend_and_gpu_decoders_are_checked_once_with_the_same_words_on_every_device(
-    monkeypatch: pytest.MonkeyPatch, device: str
-) -> None:
-    """One route per option: one check, whether the GPU decoder is built or Pillow stands in for it."""
-    import torch
-
-    from threadloader import _device
-    from threadloader.decode import nvimgcodec
-
-    calls: list[tuple[str, object]] = []
-    check = nvimgcodec.check_options
-
-    def counted(*, backend: str, gpu_decoders: object) -> None:
-        calls.append((backend, gpu_decoders))
-        check(backend=backend, gpu_decoders=gpu_decoders)
-
-    monkeypatch.setattr(nvimgcodec, "check_options", counted)
-    monkeypatch.setattr(_device, "check_options", counted)
-    where = torch.device(device)
-    _device.make_decoder(where, backend="auto", cpu_threads=1)  # the GPU decoder's constructor touches no GPU
-    assert calls == [("auto", 2)]
-    with pytest.raises(ValueError, match=r"backend must be one of \['all', 'auto', .*got 'nvjpeg'"):
-        _device.make_decoder(where, backend="nvjpeg", cpu_threads=1)
-    with pytest.raises(ValueError, match="gpu_decoders must be an int of at least 1, got 0"):
-        _device.make_decoder(where, backend="auto", cpu_threads=1, gpu_decoders=0)
 
 
 def test_every_type_in_the_decoder_plug_in_signature_is_public() -> None:
@@ -261,7 +231,7 @@ def test_each_configuration_asks_nvimgcodec_for_its_kinds(
 
     import torch
 
-    from threadloader.decode import _capi, _engines
+    from threadloader.decode.nvimgcodec import _capi, _engines
 
     made: list[object] = []
     monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["backends"]))
@@ -269,62 +239,6 @@ def test_each_configuration_asks_nvimgcodec_for_its_kinds(
     _engines.CApiEngine(None).new_decoder(0, config, 2, True)  # type: ignore[arg-type]
     (asked,) = made
     assert (None if asked is None else list(asked)) == kinds  # type: ignore[call-overload]
-
-
-@pytest.mark.parametrize(
-    ("options", "threads"),
-    [
-        ({}, (16 - 2) // 2),  # the cores 2 readers leave, shared by the 2 Decoders of the default pool
-        ({"num_threads": 1}, 16 - 1),  # one reader calls one Decoder at a time: it gets them all
-        ({"num_threads": 2, "gpu_decoders": 4}, (16 - 2) // 2),  # as many at once as readers
-        ({"num_threads": 4, "gpu_decoders": 3}, (16 - 4) // 3),
-        ({"num_threads": 15, "gpu_decoders": 4}, 1),  # never none
-        ({"decode_threads": 5, "gpu_decoders": 3}, 5),  # the user's count, per Decoder
-    ],
-)
-def test_the_free_cores_are_shared_by_the_decoders(
-    monkeypatch: pytest.MonkeyPatch, options: dict[str, int], threads: int
-) -> None:
-    """nvImageCodec's CPU threads per Decoder: pools that each took every free core oversubscribed them."""
-    import torch
-
-    from threadloader import _device, _options
-    from threadloader.decode.pillow import PillowDecoder
-
-    made: list[int] = []
-    monkeypatch.setattr(_device, "available_cpus", lambda: 16)
-    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-
-    def make_decoder(*_args: object, cpu_threads: int, **_kwargs: object) -> PillowDecoder:
-        made.append(cpu_threads)
-        return PillowDecoder()
-
-    monkeypatch.setattr(_options, "make_decoder", make_decoder)
-    set_up_on_a_gpu(**options)
-    assert made == [threads]
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"gpu_decoders": 0}, "gpu_decoders must be an int of at least 1, got 0"),
-        ({"gpu_decoders": "2"}, "gpu_decoders must be an int of at least 1, got '2'"),
-        ({"decode_threads": 0}, "decode_threads must be at least 1 (or None for the default), got 0"),
-    ],
-)
-def test_bad_decoder_counts_are_refused_with_what_was_got(
-    monkeypatch: pytest.MonkeyPatch, options: dict[str, object], message: str
-) -> None:
-    """A count the thread default cannot divide by still gets the decoder's own error, not a ZeroDivision."""
-    import re
-
-    import torch
-
-    from threadloader import _options
-
-    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-    with pytest.raises(ValueError, match=re.escape(message)):
-        set_up_on_a_gpu(**options)
 
 
 @pytest.mark.parametrize("fancy", [True, False])
@@ -339,7 +253,7 @@ def test_jpeg_fancy_upsampling_reaches_every_jpeg_decoder(
 
     import torch
 
-    from threadloader.decode import _capi, _engines
+    from threadloader.decode.nvimgcodec import _capi, _engines
 
     made: list[str] = []
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
@@ -369,46 +283,6 @@ def test_jpeg_fancy_upsampling_reaches_every_jpeg_decoder(
         ]
 
 
-def test_jpeg_fancy_upsampling_makes_pools_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The flag is part of a pool's key: a loader without fancy upsampling never leases a Decoder made
-    with it (nor its region pool), though both share device, backend and threads."""
-    import torch
-
-    from threadloader import _device, _options
-
-    made: list[tuple[object, ...]] = []
-    monkeypatch.setattr(_device, "available_cpus", lambda: 16)
-    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-    setup = set_up_on_a_gpu(jpeg_fancy_upsampling=False, region_decode=False)
-    decoder = setup.decoder
-    decoder._registry = DecoderRegistry(lambda *key: made.append(key) or object())  # type: ignore[attr-defined]
-    decoder._wanted = "python"  # type: ignore[attr-defined]  # no nvImageCodec here: the Python engine's name
-    monkeypatch.setattr(
-        "threadloader.decode.nvimgcodec.engine_named", lambda name: type("E", (), {"name": name})()
-    )
-    assert decoder._start().keys == {  # type: ignore[attr-defined]
-        "all": ("python", 0, "all", 7, False, 64),
-        "cuda": ("python", 0, "cuda", 7, False, 0),
-    }
-    assert decoder._region_key == ("python", 0, "hybrid", 7, False, 0)  # type: ignore[attr-defined]
-    assert made == [("python", 0, "all", 7, False, 64)]
-
-
-@pytest.mark.parametrize("bad", [0, "no", None])
-def test_jpeg_fancy_upsampling_must_be_a_bool(monkeypatch: pytest.MonkeyPatch, bad: object) -> None:
-    import re
-
-    import torch
-
-    from threadloader import _options
-
-    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-    with pytest.raises(
-        TypeError, match=re.escape(f"jpeg_fancy_upsampling must be True or False, got {bad!r}")
-    ):
-        set_up_on_a_gpu(jpeg_fancy_upsampling=bad)
-
-
 def test_jpeg_fancy_upsampling_is_refused_beside_a_decoder_of_ones_own() -> None:
     from threadloader import ThreadLoader
     from threadloader.decode.pillow import PillowDecoder
@@ -424,8 +298,8 @@ def test_the_gpu_decoder_takes_only_a_bool_for_upsampling() -> None:
 
     from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
-    with pytest.raises(TypeError, match="fancy_upsampling must be True or False, got 'no'"):
-        NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=1, fancy_upsampling="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="jpeg_fancy_upsampling must be True or False, got 'no'"):
+        NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=1, jpeg_fancy_upsampling="no")  # type: ignore[arg-type]
 
 
 def test_a_new_decoder_decodes_a_whole_batch_before_anyone_leases_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -433,12 +307,13 @@ def test_a_new_decoder_decodes_a_whole_batch_before_anyone_leases_it(monkeypatch
     batch size, not whatever small batch (the warm-up's four photos) would come first; a configuration
     without the engine decodes a few to initialize. A priming that fails leaves the Decoder usable."""
     from threadloader.decode import nvimgcodec
+    from threadloader.decode.nvimgcodec import _startup
 
     primed: list[tuple[object, int]] = []
     engine = type("Engine", (), {"name": "fake", "new_decoder": lambda self, *options: "decoder"})()
-    monkeypatch.setattr(nvimgcodec, "engine_named", lambda name: engine)
+    monkeypatch.setattr(_startup, "engine_named", lambda name: engine)
     monkeypatch.setattr(
-        nvimgcodec, "_prime", lambda engine, decoder, device, count: primed.append((decoder, count))
+        _startup, "_prime", lambda engine, decoder, device, count: primed.append((decoder, count))
     )
     assert nvimgcodec.new_decoder("capi", 0, "all", 2, True, 64) == "decoder"
     assert nvimgcodec.new_decoder("capi", 0, "cuda", 2, True, 0) == "decoder"
@@ -447,28 +322,138 @@ def test_a_new_decoder_decodes_a_whole_batch_before_anyone_leases_it(monkeypatch
     def failing(*_args: object) -> None:
         raise RuntimeError("no engine today")
 
-    monkeypatch.setattr(nvimgcodec, "_prime", failing)
+    monkeypatch.setattr(_startup, "_prime", failing)
     assert nvimgcodec.new_decoder("capi", 0, "split", 2, True, 64) == "decoder"
 
 
 @pytest.mark.parametrize(
-    ("options", "batch"), [({}, 64), ({"decode_batch_size": 128}, 128), ({"batch_size": 96}, 96)]
+    ("options", "threads"),
+    [
+        ({}, (16 - 2) // 2),  # the cores 2 readers leave, shared by the 2 Decoders of the default pool
+        ({"num_threads": 1}, 16 - 1),  # one reader calls one Decoder at a time: it gets them all
+        ({"num_threads": 2, "gpu_decoders": 4}, (16 - 2) // 2),  # as many at once as readers
+        ({"num_threads": 4, "gpu_decoders": 3}, (16 - 4) // 3),
+        ({"num_threads": 15, "gpu_decoders": 4}, 1),  # never none
+        ({"decode_threads": 5, "gpu_decoders": 3}, 5),  # the user's count, per Decoder
+    ],
+)
+def test_the_free_cores_are_shared_by_the_decoders(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, int], threads: int
+) -> None:
+    """nvImageCodec's CPU threads per Decoder: pools that each took every free core oversubscribed them."""
+    import torch
+
+    from threadloader import _options
+    from threadloader._runtime import build_decoder
+
+    monkeypatch.setattr(_options, "available_cpus", lambda: 16)
+    chosen = _options.Options(**options)  # type: ignore[arg-type]
+    readers = chosen.threads_on(torch.device("cuda", 0))
+    built = build_decoder(chosen, torch.device("cuda", 0), threads=readers, batch=64)
+    assert built.decode_threads == threads  # type: ignore[attr-defined]
+
+
+def _keys(monkeypatch: pytest.MonkeyPatch, **options: object) -> object:
+    """The pools' keys of a GPU decoder of ``options``, its first Decoder made by a stand-in."""
+    import torch
+
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder, _decoder
+
+    made: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0),
+        decode_threads=7,
+        engine="python",
+        registry=DecoderRegistry(lambda *key: made.append(key) or object()),
+        **options,  # type: ignore[arg-type]
+    )
+    prepared = decoder._start()  # type: ignore[attr-defined]
+    return prepared.keys, prepared.region_key, made
+
+
+def test_jpeg_fancy_upsampling_makes_pools_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag is part of a pool's key: a loader without fancy upsampling never leases a Decoder made
+    with it (nor its region pool), though both share device, backend and threads. The JPEG engine's
+    pool is made for the batch size; the others are shared by any."""
+    keys, region_key, made = _keys(monkeypatch, jpeg_fancy_upsampling=False)
+    assert keys == {"all": ("python", 0, "all", 7, False, 64), "cuda": ("python", 0, "cuda", 7, False, 0)}
+    assert region_key == ("python", 0, "hybrid", 7, False, 0)
+    assert made == [("python", 0, "all", 7, False, 64)]  # the first configuration's first Decoder
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "decode_batch_size", "batch"), [(32, None, 64), (32, 128, 128), (96, None, 96)]
 )
 def test_the_engine_pools_are_made_for_the_front_ends_decode_batch(
-    monkeypatch: pytest.MonkeyPatch, options: dict[str, int], batch: int
+    monkeypatch: pytest.MonkeyPatch, batch_size: int, decode_batch_size: int | None, batch: int
 ) -> None:
     """A Decoder with the JPEG engine is made for the images per call its loader gives (64 by default on
     a GPU, or the batch if larger): loaders of other sizes get pools of their own; the others share."""
     import torch
 
-    from threadloader import _options
+    from threadloader._options import decode_batch_size_on
 
-    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-    decoder = set_up_on_a_gpu(**options).decoder
-    decoder._registry = DecoderRegistry(lambda *key: object())  # type: ignore[attr-defined]
-    decoder._wanted = "python"  # type: ignore[attr-defined]
-    monkeypatch.setattr(
-        "threadloader.decode.nvimgcodec.engine_named", lambda name: type("E", (), {"name": name})()
-    )
-    keys = decoder._start().keys  # type: ignore[attr-defined]
-    assert (keys["all"][-1], keys["cuda"][-1]) == (batch, 0)
+    per_call = decode_batch_size_on(torch.device("cuda", 0), batch_size, decode_batch_size)
+    assert per_call == batch
+    keys, _, _ = _keys(monkeypatch, batch_size=per_call)
+    assert (keys["all"][-1], keys["cuda"][-1]) == (batch, 0)  # type: ignore[index]
+
+
+def test_a_pool_whose_last_claim_ends_destroys_its_decoders_idle_at_once_busy_on_return() -> None:
+    destroyed: list[object] = []
+    registry = DecoderRegistry(_Recorder().new, lambda key, decoder: destroyed.append(decoder))
+    registry.claim([KEY])
+    registry.claim([KEY])  # two decoders use the pool
+    idle, busy = registry.acquire(KEY, 2), registry.acquire(KEY, 2)
+    registry.release(KEY, idle)
+    registry.unclaim([KEY])
+    assert destroyed == [] and registry.made(KEY) == 2  # one claim is left
+    registry.unclaim([KEY])
+    assert destroyed == [idle] and registry.made(KEY) == 1  # the idle one at once
+    registry.release(KEY, busy)
+    assert destroyed == [idle, busy] and registry.made(KEY) == 0  # the busy one when its call returns
+    registry.claim([KEY])  # a later decoder of the same configuration makes anew
+    assert registry.acquire(KEY, 1) == 3
+
+
+def test_a_pool_never_claimed_keeps_its_decoders() -> None:
+    """A test's registry, or a pool leased directly: nothing ends it."""
+    destroyed: list[object] = []
+    registry = DecoderRegistry(_Recorder().new, lambda key, decoder: destroyed.append(decoder))
+    with registry.lease(KEY, 1) as first:
+        pass
+    with registry.lease(KEY, 1) as again:
+        assert again == first
+    assert destroyed == [] and registry.made(KEY) == 1
+
+
+def test_the_gpu_decoder_claims_its_pools_until_it_is_closed_or_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its pools (both of ``auto``'s configurations, and the regions') live while it does; closing it,
+    or dropping it unclosed, destroys the Decoders no other decoder uses."""
+    import gc
+
+    import torch
+
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder, _decoder
+
+    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
+    destroyed: list[tuple[object, ...]] = []
+    registry = DecoderRegistry(lambda *key: key, lambda key, decoder: destroyed.append(key))
+
+    def decoder() -> NvImageCodecDecoder:
+        made = NvImageCodecDecoder(
+            torch.device("cuda", 0), decode_threads=2, engine="python", registry=registry
+        )
+        made._start()  # type: ignore[attr-defined]  # makes the first configuration's first Decoder
+        return made
+
+    first, second = decoder(), decoder()
+    first.close()
+    first.close()  # idempotent
+    assert destroyed == []  # the second still uses the pool
+    del second
+    gc.collect()
+    assert destroyed == [("python", 0, "all", 2, True, 64)]

@@ -197,7 +197,7 @@ def test_images_of_different_sizes_are_resized_from_one_padded_batch(
     # Not the 1x1 images: padding them to 800x600 would cost more memory than the decoder allows.
     upright = [n for n in corpus if "1x1" not in n and not (n.startswith("exif_") and int(n[5:]) >= 5)]
     names = [*upright, "exif_6"] if turned else upright
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2, engine=engine)
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2, engine=engine)
     padded: list[bool] = []
     decode = decoder.decode
 
@@ -214,7 +214,7 @@ def test_images_of_different_sizes_are_resized_from_one_padded_batch(
 def test_decodes_straight_into_one_batch_tensor() -> None:
     from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2)
     stream = torch.cuda.Stream()
     blobs = [data for data, _ in _uniform_set(6)]
     batch = decoder.decode(blobs, stream=stream, stats=StatsRecorder())
@@ -241,7 +241,7 @@ def test_decoding_never_overwrites_memory_that_queued_work_still_reads(backend: 
         [(encode(photo(128, 160, 100 + i), quality=90), i) for i in range(16)],
     )
     references = torch.stack([torch.from_numpy(pil_reference(data)) for data, _ in first_set])
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), backend=backend, cpu_threads=2)
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), backend=backend, decode_threads=2)
     stream, stats = torch.cuda.Stream(), StatsRecorder()
     slow = torch.randn(4096, 4096, device="cuda")
     copies = []
@@ -269,7 +269,7 @@ def test_a_pool_of_decoders_gives_pillows_pixels(backend: str) -> None:
     references = [pil_reference(data) for data, _ in samples]
     registry = DecoderRegistry(new_decoder)
     decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0), backend=backend, cpu_threads=2, gpu_decoders=3, registry=registry
+        torch.device("cuda", 0), backend=backend, decode_threads=2, gpu_decoders=3, registry=registry
     )
     seen = 0
     with ThreadLoader(
@@ -282,7 +282,7 @@ def test_a_pool_of_decoders_gives_pillows_pixels(backend: str) -> None:
                     seen += 1
     assert seen == 3 * len(samples)
     made = [registry.made(key) for key in decoder._start().keys.values()]  # type: ignore[attr-defined]
-    assert 1 <= sum(made) and max(made) <= 3, made
+    assert sum(made) >= 1 and max(made) <= 3, made
 
 
 def test_unsupported_by_gpu_falls_back_to_cpu() -> None:
@@ -345,7 +345,7 @@ def test_hammer_concurrent_loaders_and_direct_decodes() -> None:
                     counts[slot] += len(targets)
 
     def direct(slot: int) -> None:
-        decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+        decoder = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2)
         stream = torch.cuda.Stream()
         rng = random.Random(slot)
         while time.monotonic() < deadline:

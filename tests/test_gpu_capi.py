@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from threadloader._stats import StatsRecorder
-from threadloader.decode import _capi
 from threadloader.decode import nvimgcodec as nv_module
+from threadloader.decode.nvimgcodec import _capi, _startup
+from threadloader.decode.nvimgcodec import _decoder as _decoder_module
 
 from .conftest import encode, gpu_mismatch, photo, pil_reference, with_orientation
 
@@ -26,11 +27,13 @@ GUARD = 0xA5
 def _decoder(**options: object) -> nv_module.NvImageCodecDecoder:
     """A decoder with a registry of its own: its engine is chosen, and checked, afresh."""
     registry = nv_module.DecoderRegistry(nv_module.new_decoder)
-    return nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2, registry=registry, **options)  # type: ignore[arg-type]
+    return nv_module.NvImageCodecDecoder(
+        torch.device("cuda", 0), decode_threads=2, registry=registry, **options
+    )  # type: ignore[arg-type]
 
 
 def test_the_c_api_is_the_default_where_its_self_test_passes(caplog: pytest.LogCaptureFixture) -> None:
-    nv_module._warn_once.cache_clear()
+    _decoder_module._warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="threadloader"):
         assert _decoder().engine == "capi"
     assert not [r for r in caplog.records if "C API" in r.getMessage()]
@@ -39,8 +42,8 @@ def test_the_c_api_is_the_default_where_its_self_test_passes(caplog: pytest.LogC
 def test_a_failed_self_test_decodes_through_the_python_api_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(nv_module, "_self_test", lambda *args: "its pixels differ from Pillow's by 80.0")
-    nv_module._warn_once.cache_clear()
+    monkeypatch.setattr(_decoder_module, "self_test", lambda *args: "its pixels differ from Pillow's by 80.0")
+    _decoder_module._warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="threadloader"):
         decoder = _decoder()
     assert decoder.engine == "python"
@@ -77,7 +80,7 @@ def test_the_self_test_catches_a_broken_binding(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(_capi.Workspace, "bind", broken)
     engine = nv_module.engine_named("capi")
     registry = nv_module.DecoderRegistry(nv_module.new_decoder)
-    reason = nv_module._self_test(engine, registry, ("capi", 0, "cuda", 2, True, 0), 1, torch.device("cuda", 0))
+    reason = _startup.self_test(engine, registry, ("capi", 0, "cuda", 2, True, 0), 1, torch.device("cuda", 0))
     expected = "pixels differ" if sabotage == "orientation dropped" else "outside the image's memory"
     assert reason is not None and expected in reason, reason
 

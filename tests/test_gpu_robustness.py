@@ -104,7 +104,7 @@ def test_fuzz_mutated_jpegs_through_nvimagecodec(edits: list[tuple[int, int]], c
     from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
     mutated = mutate(GOOD[0], edits, cut)
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2)
     stream = torch.cuda.Stream()
     batch = decoder.decode([mutated, GOOD[1]], stream=stream, stats=StatsRecorder())
     stream.synchronize()

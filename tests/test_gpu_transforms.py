@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from threadloader import ThreadLoader
+from threadloader._options import REGION_DECODE_ENV
 from threadloader.decode import nvimgcodec as nv_module
 from threadloader.transforms import (
     CenterCrop,
@@ -82,9 +83,9 @@ def test_region_decoding_equals_whole_decode_and_crop() -> None:
 def test_the_environment_turns_region_decoding_off_when_the_loader_is_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(nv_module.REGION_DECODE_ENV, "0")
+    monkeypatch.setenv(REGION_DECODE_ENV, "0")
     loader = ThreadLoader(SAMPLES, batch_size=8, device="cuda", transform=[RandomResizedCrop(48)])
-    monkeypatch.delenv(nv_module.REGION_DECODE_ENV)  # read once, at construction
+    monkeypatch.delenv(REGION_DECODE_ENV)  # read once, at construction
     with loader:
         assert sum(len(targets) for _, targets in loader) == len(SAMPLES)
         assert loader.stats().region_decodes == 0  # type: ignore[attr-defined]
@@ -102,7 +103,7 @@ class _Verdict(nv_module.DecoderRegistry):
 
 
 def _decoder_with(registry: nv_module.DecoderRegistry) -> nv_module.NvImageCodecDecoder:
-    return nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2, registry=registry)
+    return nv_module.NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2, registry=registry)
 
 
 def test_a_gpu_failing_the_region_check_decodes_whole_images() -> None:
@@ -113,7 +114,7 @@ def test_a_gpu_failing_the_region_check_decodes_whole_images() -> None:
 
 
 def test_the_region_check_passes_on_this_gpu() -> None:
-    decoder = nv_module.NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=2)
+    decoder = nv_module.NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2)
     assert decoder._check_regions()
 
 
@@ -178,9 +179,9 @@ def test_regions_the_gpu_gives_up_on_are_decoded_whole_on_the_gpu(caplog: pytest
         def decode(self, sources, **kwargs):  # type: ignore[no-untyped-def]
             return [None] * len(sources)
 
-    def failing_regions(engine: str, index: int, backend: str, threads: int, fancy: bool):  # type: ignore[no-untyped-def]
+    def failing_regions(engine: str, index: int, backend: str, threads: int, fancy: bool, batch: int):  # type: ignore[no-untyped-def]
         if backend != nv_module.REGION_BACKEND:
-            return nv_module.new_decoder(engine, index, backend, threads, fancy)
+            return nv_module.new_decoder(engine, index, backend, threads, fancy, batch)
         if engine == "python":
             return NoRegions()
         # A C API Decoder of kind GPU_ONLY: nvImageCodec 0.9 has no JPEG decoder of that kind.

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from threadloader import SampleError, ThreadLoader
-from threadloader._regions import Region
 from threadloader._sampling import group_batches
+from threadloader.decode import Region
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 from threadloader.transforms.functional import Images
 

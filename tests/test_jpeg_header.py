@@ -3,7 +3,7 @@ import random
 import numpy as np
 import pytest
 
-from threadloader.decode._jpeg import (
+from threadloader.decode.nvimgcodec._jpeg import (
     exif_orientation,
     has_end_marker,
     normalize_gray_sampling,
@@ -98,9 +98,9 @@ def test_exif_orientation_never_raises_on_damaged_headers() -> None:
 def test_regions_are_asked_for_in_the_displayed_frame(orientation: int) -> None:
     """The C API engine reads the orientation from the header; a region is asked for with the size
     Pillow displays the image at (runs on the CPU: parsing needs no GPU)."""
-    from threadloader.decode import _capi
-    from threadloader.decode._engines import CApiEngine
-    from threadloader.decode.nvimgcodec import _region
+    from threadloader.decode.nvimgcodec import _capi
+    from threadloader.decode.nvimgcodec._engines import CApiEngine
+    from threadloader.decode.nvimgcodec._parse import _region
 
     try:
         engine = CApiEngine(_capi.load())

@@ -942,6 +942,7 @@ def test_cuda_major_mismatch_between_codec_and_torch_is_named(
     import types
 
     from threadloader import _device as device_module
+    from threadloader.decode.nvimgcodec import _capi, _startup
 
     nvidia = types.ModuleType("nvidia")
     codec = types.ModuleType("nvidia.nvimgcodec")
@@ -951,20 +952,20 @@ def test_cuda_major_mismatch_between_codec_and_torch_is_named(
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", codec)
 
     def no_capi() -> None:
-        raise device_module._capi.Unsupported("not here")
+        raise _capi.Unsupported("not here")
 
-    monkeypatch.setattr(device_module._capi, "library", no_capi)  # the version from the Python API
+    monkeypatch.setattr(_capi, "library", no_capi)  # the version from the Python API
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    device_module.check_cuda_versions.cache_clear()
+    _startup.check_cuda_versions.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="threadloader"):
             assert device_module.resolve_device(device) == torch.device("cuda", 0)
             device_module.resolve_device(device)  # said once, not per loader
     finally:
-        device_module.check_cuda_versions.cache_clear()
+        _startup.check_cuda_versions.cache_clear()
     messages = [r.getMessage() for r in caplog.records if r.name == "threadloader"]
     if not warned:
         assert messages == []

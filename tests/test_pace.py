@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from threadloader.decode._pace import Pace
+from threadloader.decode.nvimgcodec._pace import Pace
 
 
 class Clock:

@@ -176,14 +176,21 @@ def test_the_gpu_decoders_pillow_fallback_keeps_pillows_exception() -> None:
     """On the GPU path a sample nvImageCodec gives up on goes to Pillow; if Pillow fails too, its
     exception is the cause (nvImageCodec reports a status, not an exception). Runs without a GPU: the
     fallback touches no device memory for a sample Pillow cannot decode."""
-    from threadloader.decode.nvimgcodec import NvImageCodecDecoder, _Outputs
+    from threadloader.decode.nvimgcodec._fallback import decode_on_cpu
+    from threadloader.decode.nvimgcodec._memory import Assembly, Outputs
 
     bad = b"GIF89a truncated"
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=1)
-    causes: dict[int, BaseException] = {}
-    errors = decoder._decode_on_cpu(
-        [bad], {0: "nvImageCodec gave up"}, _Outputs(), _Outputs(), [None], set(), {}, StatsRecorder(), causes
+    assembly = Assembly([None])
+    decode_on_cpu(
+        [bad],
+        {0: "nvImageCodec gave up"},
+        assembly,
+        [Outputs()],
+        device=torch.device("cuda", 0),
+        max_pixels=None,
+        stats=StatsRecorder(),
     )
+    errors, causes = assembly.errors, assembly.causes
     reference = _pillows_exception(bad)
     assert errors[0].startswith("nvImageCodec gave up; Pillow: ")
     assert isinstance(causes[0], type(reference)) and str(causes[0]) in errors[0]

@@ -8,7 +8,6 @@ user's, calls nothing of the user's, and stops with its owner.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,14 +19,13 @@ import pytest
 import torch
 from PIL import Image
 
-from threadloader import BatchDecoder, ThreadLoader, _options, loader, service
+from threadloader import BatchDecoder, ThreadLoader, _options, _runtime
 from threadloader._cancel import Cancelled, bind_cancel, check_cancelled
 from threadloader._handoff import ReaderStream
 from threadloader._warmup import Warmup, warmup_source
-from threadloader.decode import PillowDecoder
 from threadloader.decode.base import DecodedBatch, ImageDecoder
 
-from .conftest import GatedDecoder, encode, photo, set_up_on_a_gpu
+from .conftest import GatedDecoder, encode, photo
 
 
 @pytest.fixture
@@ -38,15 +36,9 @@ def decoder() -> Iterator[GatedDecoder]:
 
 
 @pytest.fixture
-def warming(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Front ends warm up whatever they are built with (on a GPU, only the decoder they build)."""
-    original = _options.set_up
-
-    def set_up(*args: object, **kwargs: object) -> _options.Setup:
-        return dataclasses.replace(original(*args, **kwargs), warm_up=1)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(loader, "set_up", set_up)
-    monkeypatch.setattr(service, "set_up", set_up)
+def warming(decoder: GatedDecoder) -> None:
+    """The gated decoder warms up, as the GPU decoder does (a decoder says so with ``warms_up``)."""
+    decoder.warms_up = True  # type: ignore[misc]
 
 
 def folder(tmp_path: Path, count: int = 6) -> Path:
@@ -113,8 +105,7 @@ def test_while_nvimgcodec_starts_the_readers_decode_with_pillow_instead_of_waiti
     """The gated decoder stands in for nvImageCodec, its warm-up blocked as nvImageCodec's start would
     be (seconds). While it is starting the readers decode with Pillow and count it; once it has started
     in the process (a later loader's case), they wait for the warm-up and decode with it, as before."""
-    monkeypatch.setattr(loader, "NvImageCodecDecoder", GatedDecoder)
-    decoder.starting = starting  # type: ignore[attr-defined]
+    decoder.starting = starting  # type: ignore[misc]
     with ThreadLoader(folder(tmp_path), batch_size=3, decoder=decoder, num_threads=2) as built:
         assert decoder.entered.wait(5)
         batches: list[object] = []
@@ -124,7 +115,7 @@ def test_while_nvimgcodec_starts_the_readers_decode_with_pillow_instead_of_waiti
         assert len(batches) == (2 if starting else 0)  # Pillow's, or waiting for the warm-up
         assert built.stats().started_on_cpu == (6 if starting else 0)
         assert decoder.threads == ["threadloader-warmup-0"]  # the readers did not call it
-        decoder.starting = False  # type: ignore[attr-defined]
+        decoder.starting = False  # type: ignore[misc]
         decoder.gate.set()
         consumer.join(10)
         assert not consumer.is_alive() and len(batches) == 2
@@ -142,9 +133,8 @@ def test_the_cpu_start_spreads_a_group_over_the_cores_the_readers_share(
     the first group, which one reader would decode image by image); on 2 cores, each in itself."""
     from threadloader.decode import pillow
 
-    monkeypatch.setattr(loader, "NvImageCodecDecoder", GatedDecoder)
-    monkeypatch.setattr(loader, "available_cpus", lambda: cpus)
-    decoder.starting = True  # type: ignore[attr-defined]
+    monkeypatch.setattr(_runtime, "available_cpus", lambda: cpus)
+    decoder.starting = True  # type: ignore[misc]
     threads: list[str] = []
     original = pillow.decode_rgb
 
@@ -165,6 +155,8 @@ def test_the_cpu_start_spreads_a_group_over_the_cores_the_readers_share(
 class EndlessDecoder(ImageDecoder):
     """A decode that takes 10 s, checking between images whether its thread was asked to stop."""
 
+    warms_up = True
+
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.entered = threading.Event()
@@ -178,7 +170,6 @@ class EndlessDecoder(ImageDecoder):
         raise AssertionError("the warm-up was never cancelled")
 
 
-@pytest.mark.usefixtures("warming")
 @pytest.mark.parametrize("front_end", ["loader", "service"])
 def test_closing_a_front_end_stops_its_warm_up(tmp_path: Path, front_end: str) -> None:
     endless = EndlessDecoder()
@@ -252,7 +243,7 @@ def test_a_reader_waiting_for_the_warm_up_stops_when_cancelled() -> None:
     assert outcome == ["cancelled"]
 
 
-def test_the_built_in_cpu_decoder_and_a_decoder_passed_in_are_not_warmed(
+def test_the_built_in_cpu_decoder_and_a_decoder_that_does_not_warm_up_are_not_warmed(
     tmp_path: Path, decoder: GatedDecoder
 ) -> None:
     decoder.gate.set()
@@ -261,7 +252,7 @@ def test_the_built_in_cpu_decoder_and_a_decoder_passed_in_are_not_warmed(
         ThreadLoader(folder(tmp_path / "b"), batch_size=3, decoder=decoder),
     ):
         with built:
-            assert built._warmup is None
+            assert not built._runtime.warming_up
             assert not any(t.name.startswith("threadloader-warmup") for t in threading.enumerate())
             assert sum(len(images) for images, _ in built) == 6
     assert not any(name.startswith("threadloader-warmup") for name in decoder.threads)
@@ -297,19 +288,26 @@ def test_warm_up_batches_run_at_once_and_wait_returns_after_the_last() -> None:
     )  # each on a reader's stream, not one of its own
 
 
-def test_the_environment_turns_the_warm_up_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """THREADLOADER_WARMUP=0: for a script that captures a CUDA graph while its loader would warm up."""
-    monkeypatch.setattr(_options, "resolve_device", lambda _device: torch.device("cuda", 0))
-    monkeypatch.setattr(_options, "make_decoder", lambda *_args, **_kwargs: PillowDecoder())
+@pytest.mark.usefixtures("warming")
+def test_the_environment_turns_the_warm_up_off(
+    tmp_path: Path, decoder: GatedDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """THREADLOADER_WARMUP=0: for a script that captures a CUDA graph while its loader would warm up.
 
-    def warm(**env: str) -> int:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        return set_up_on_a_gpu(num_threads=4).warm_up
-
-    monkeypatch.delenv(_options.WARMUP_ENV, raising=False)
-    assert warm() == 2  # one batch per Decoder the readers lease at once (the pool's default, 2)
-    assert warm(THREADLOADER_WARMUP="0") == 0
+    Otherwise a batch per call the decoder runs at once: the GPU decoder's Decoders (the pool's
+    default, 2, of 4 readers), one for a decoder that does not say.
+    """
+    decoder.gate.set()
+    for env, concurrent, threads in (("1", None, 1), ("1", 2, 2), ("0", 2, 0)):
+        monkeypatch.setenv(_options.WARMUP_ENV, env)
+        if concurrent is not None:
+            decoder.gpu_decoders = concurrent  # type: ignore[attr-defined]
+        folder_of_run = tmp_path / f"{env}-{concurrent}"
+        with ThreadLoader(folder(folder_of_run), batch_size=3, decoder=decoder, num_threads=4) as built:
+            assert built._runtime.warming_up == bool(threads)
+            assert sum(len(images) for images, _ in built) == 6
+        assert sum(name.startswith("threadloader-warmup") for name in decoder.threads) == threads
+        decoder.threads.clear()
 
 
 def test_prepare_runs_beside_the_batches_on_a_reader_stream_and_readers_wait_for_it() -> None:

@@ -1,61 +1,167 @@
-"""The options both front ends take, and what they build from them: the output format and the decoder.
+"""Every option both front ends take, declared once: its default, its check, what it derives.
 
 ``ThreadLoader`` and ``BatchDecoder`` take the same output arguments (size, dtype, mean, std,
-channels_last), decoding arguments (device, num_threads, backend, decode_threads, gpu_decoders,
-max_pixels, region_decode, decoder) and ``transform=`` and hand them here, so that each means the same
-thing in both.
+channels_last, transform) and decoding arguments (device, num_threads, backend, decode_threads,
+gpu_decoders, jpeg_fancy_upsampling, max_pixels, region_decode, decoder). Each front end's signature
+names them with :data:`DEFAULTS`' values and hands them over as one frozen :class:`Options`
+(``Options.of(arguments)``), checked here; the runtime (``_runtime.py``) builds what they describe. The
+environment variables that change a default are named and read here too, once, when a front end is
+built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ._device import (
-    default_decode_batch_size,
-    default_decode_threads,
-    default_num_threads,
-    make_decoder,
-    resolve_device,
-)
+from ._device import available_cpus
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
-from .decode.nvimgcodec import DEFAULT_GPU_DECODERS, REGION_DECODE_ENV
+from .decode.nvimgcodec import DEFAULT_BACKEND, DEFAULT_BATCH_SIZE, DEFAULT_GPU_DECODERS, check_options
 from .transforms import Compose, Transform
 
-__all__ = ["WARMUP_ENV", "Setup", "as_transform", "region_decode_default", "set_up", "stacking_size"]
+__all__ = ["DEFAULTS", "REGION_DECODE_ENV", "WARMUP_ENV", "Options", "as_transform"]
 
-
-@dataclass(frozen=True)
-class Setup:
-    """What a front end runs on: its device, reader threads, decoder, output format and images per call.
-
-    ``warm_up``: the batches a :class:`~threadloader._warmup.Warmup` decodes at once (0: none): for the
-    GPU decoder built here, whose first batch costs seconds, as many as readers lease Decoders at
-    once; none for the CPU, nor for a decoder passed in (its first call is its own business, and a test
-    double's calls are counted), nor where ``THREADLOADER_WARMUP=0``.
-    """
-
-    device: torch.device
-    num_threads: int
-    decoder: ImageDecoder
-    output: OutputFormat
-    decode_batch_size: int
-    warm_up: int = 0
-
+#: Set to 0 to decode whole images and crop afterwards, should region decoding misbehave on a GPU
+#: (nvImageCodec issue #55 reports failures and crashes of region decoding on some GPUs with 0.9.0):
+#: the meaning of ``region_decode=None``, read when a front end is built.
+REGION_DECODE_ENV = "THREADLOADER_REGION_DECODE"
 
 #: Set to 0 to build front ends without the background warm-up (read when one is built): for a script
 #: that captures a CUDA graph in torch's default (global) mode while its loader would be warming up,
 #: where another thread's CUDA calls break the capture.
 WARMUP_ENV = "THREADLOADER_WARMUP"
 
+#: The options that configure the built-in decoders: refused beside a decoder of one's own.
+_DECODER_OPTIONS = (
+    "backend",
+    "decode_threads",
+    "gpu_decoders",
+    "jpeg_fancy_upsampling",
+    "max_pixels",
+    "region_decode",
+)
 
-def region_decode_default() -> bool:
-    """``region_decode=None``'s meaning: on, unless the environment sets ``THREADLOADER_REGION_DECODE=0``."""
-    return os.environ.get(REGION_DECODE_ENV, "1") != "0"
+
+@dataclass(frozen=True)
+class Options:
+    """The options both front ends take (their docstrings say what each means), checked when made.
+
+    Raises:
+        ValueError, TypeError: For a value an option does not take; the message names it and what was
+            got.
+    """
+
+    size: tuple[int, int] | None = None
+    dtype: torch.dtype = torch.uint8
+    mean: Sequence[float] | None = None
+    std: Sequence[float] | None = None
+    channels_last: bool = False
+    transform: Transform | Sequence[Transform] | None = None
+    device: str | torch.device | int | None = None
+    num_threads: int | None = None
+    backend: str = DEFAULT_BACKEND
+    decode_threads: int | None = None
+    gpu_decoders: int = DEFAULT_GPU_DECODERS
+    jpeg_fancy_upsampling: bool = True
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
+    region_decode: bool | None = None
+    decoder: ImageDecoder | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "transform", as_transform(self.transform))
+        self.output_format()  # checks size, dtype, mean, std and channels_last
+        _check_count("num_threads", self.num_threads)
+        _check_count("decode_threads", self.decode_threads)
+        check_options(backend=self.backend, gpu_decoders=self.gpu_decoders)
+        if not isinstance(self.jpeg_fancy_upsampling, bool):
+            raise TypeError(
+                f"jpeg_fancy_upsampling must be True or False, got {self.jpeg_fancy_upsampling!r}"
+            )
+        if self.region_decode not in (None, True, False):
+            raise TypeError(f"region_decode must be True, False or None, got {self.region_decode!r}")
+        if self.decoder is not None:
+            if not isinstance(self.decoder, ImageDecoder):
+                raise TypeError(
+                    f"decoder must be a threadloader.decode.ImageDecoder, got {type(self.decoder).__name__}"
+                )
+            changed = [name for name in _DECODER_OPTIONS if getattr(self, name) != getattr(DEFAULTS, name)]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} configure the built-in decoder, but decoder={self.decoder!r} was "
+                    "passed; leave them unset and configure that decoder itself"
+                )
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> Options:
+        """The options among a front end's ``arguments`` (its ``locals()``), by name."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
+
+    @property
+    def chain(self) -> Transform | None:
+        """``transform`` as one transform (a list became a :class:`Compose`)."""
+        assert self.transform is None or isinstance(self.transform, Transform)  # made so by __post_init__
+        return self.transform
+
+    def output_format(self) -> OutputFormat:
+        """The output format: ``size`` if given, else a transform's fixed output size (stacked batches)."""
+        chain = self.chain
+        size = self.size if self.size is not None or chain is None else chain.output_size(None)
+        return OutputFormat(
+            size=size, dtype=self.dtype, mean=self.mean, std=self.std, channels_last=self.channels_last
+        )
+
+    def threads_on(self, device: torch.device) -> int:
+        """Reader threads: ``num_threads``, else 2 on a GPU, the CPU count (at most 32) on the CPU.
+
+        On the GPU the rest of a batch's work holds the GIL, so more threads only contend: 2 were
+        fastest (docs/benchmarks.md). On the CPU each thread decodes with the GIL released.
+        """
+        if self.num_threads is not None:
+            return self.num_threads
+        cpus = available_cpus()
+        return min(2, cpus) if device.type == "cuda" else min(32, cpus)
+
+    def decode_threads_for(self, readers: int) -> int:
+        """nvImageCodec's CPU threads per Decoder: ``decode_threads``, else the free cores shared.
+
+        The cores the ``readers`` leave free, shared by the Decoders that decode at once (a reader calls
+        one at a time, so at most as many as the readers): each Decoder has a pool of its own, and
+        pools that each took every free core put several threads on each core, which beside a graphed
+        training step fed it less (docs/design.md, "Decoder engines").
+        """
+        if self.decode_threads is not None:
+            return self.decode_threads
+        return max(1, (available_cpus() - readers) // min(readers, self.gpu_decoders))
+
+    def regions(self) -> bool:
+        """Whether region decoding is on: ``region_decode``, else unless ``THREADLOADER_REGION_DECODE=0``."""
+        if self.region_decode is not None:
+            return self.region_decode
+        return os.environ.get(REGION_DECODE_ENV, "1") != "0"
+
+
+def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_size: int | None) -> int:
+    """Images per decoder call: ``decode_batch_size``, else 64 on a GPU (or the batch), one batch on the CPU.
+
+    The GPU decoder is faster per image on larger calls (docs/benchmarks.md), but a group's decoded
+    images and outputs are all in device memory at once: 128 at a time doubled the loader's memory
+    and did not feed a training step any faster than 64.
+    """
+    if decode_batch_size is not None:
+        _check_count("decode_batch_size", decode_batch_size)
+        return decode_batch_size
+    return max(DEFAULT_BATCH_SIZE, batch_size) if device.type == "cuda" else batch_size
+
+
+def warm_up_wanted() -> bool:
+    """Whether a front end warms its GPU decoder up in the background (unless ``THREADLOADER_WARMUP=0``)."""
+    return os.environ.get(WARMUP_ENV, "1") != "0"
 
 
 def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform | None:
@@ -70,119 +176,11 @@ def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform
     )
 
 
-def stacking_size(size: tuple[int, int] | None, transform: Transform | None) -> tuple[int, int] | None:
-    """The output size of a front end: ``size`` if given, else a transform's fixed output size.
-
-    A crop or a resize to (H, W) thus gives stacked batches; ``None`` keeps a list of images.
-    """
-    if size is not None or transform is None:
-        return size
-    return transform.output_size(None)
+def _check_count(name: str, value: object) -> None:
+    """Raises unless ``value`` is ``None`` or an int of at least 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be at least 1, got {value!r}")
 
 
-def set_up(
-    transform: Transform | None,
-    *,
-    size: tuple[int, int] | None,
-    dtype: torch.dtype,
-    mean: Sequence[float] | None,
-    std: Sequence[float] | None,
-    channels_last: bool,
-    device: str | torch.device | int | None,
-    num_threads: int | None,
-    backend: str,
-    decode_threads: int | None,
-    gpu_decoders: int | None,
-    jpeg_fancy_upsampling: bool,
-    max_pixels: int | None,
-    region_decode: bool | None,
-    decoder: ImageDecoder | None,
-    batch_size: int,
-    decode_batch_size: int | None,
-) -> Setup:
-    """Checks the options and builds the output format, device, thread count and decoder from them.
-
-    ``batch_size`` is the front end's batch, ``decode_batch_size`` its images per decoder call (``None``:
-    the device's default for that batch). The environment is read here, once: a front end keeps the
-    region decoding it was built with.
-    """
-    output = OutputFormat(
-        size=stacking_size(size, transform), dtype=dtype, mean=mean, std=std, channels_last=channels_last
-    )
-    if num_threads is not None and num_threads < 1:
-        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
-    if not isinstance(jpeg_fancy_upsampling, bool):
-        raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
-    if decode_batch_size is not None and decode_batch_size < 1:
-        raise ValueError(f"decode_batch_size must be at least 1, got {decode_batch_size}")
-    if decoder is not None:
-        resolved = _decoder_device(
-            decoder,
-            device=device,
-            backend=backend,
-            decode_threads=decode_threads,
-            gpu_decoders=gpu_decoders,
-            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
-            max_pixels=max_pixels,
-            region_decode=region_decode,
-        )
-        per_call = decode_batch_size or default_decode_batch_size(resolved, batch_size)
-        return Setup(resolved, num_threads or default_num_threads(resolved), decoder, output, per_call)
-    resolved = resolve_device(device)
-    per_call = decode_batch_size or default_decode_batch_size(resolved, batch_size)
-    threads = num_threads or default_num_threads(resolved)
-    if decode_threads is not None and decode_threads < 1:
-        raise ValueError(f"decode_threads must be at least 1 (or None for the default), got {decode_threads}")
-    # A gpu_decoders that is not a positive int is refused by make_decoder, with the reason.
-    pool = gpu_decoders if isinstance(gpu_decoders, int) and gpu_decoders > 0 else DEFAULT_GPU_DECODERS
-    built = make_decoder(
-        resolved,
-        backend=backend,
-        cpu_threads=decode_threads or default_decode_threads(threads, min(threads, pool)),
-        fancy_upsampling=jpeg_fancy_upsampling,
-        gpu_decoders=gpu_decoders,
-        max_pixels=max_pixels,
-        region_decode=region_decode_default() if region_decode is None else region_decode,
-        batch_size=per_call,
-    )
-    warm = min(threads, gpu_decoders or DEFAULT_GPU_DECODERS) if resolved.type == "cuda" else 0
-    if os.environ.get(WARMUP_ENV, "1") == "0":
-        warm = 0
-    return Setup(resolved, threads, built, output, per_call, warm_up=warm)
-
-
-def _decoder_device(
-    decoder: ImageDecoder,
-    *,
-    device: str | torch.device | int | None,
-    backend: str,
-    decode_threads: int | None,
-    gpu_decoders: int | None,
-    jpeg_fancy_upsampling: bool,
-    max_pixels: int | None,
-    region_decode: bool | None,
-) -> torch.device:
-    """The device of a decoder passed in, refusing the options that configure the built-in one."""
-    ignored = [
-        name
-        for name, value, default in (
-            ("backend", backend, "auto"),
-            ("decode_threads", decode_threads, None),
-            ("gpu_decoders", gpu_decoders, None),
-            ("jpeg_fancy_upsampling", jpeg_fancy_upsampling, True),
-            ("max_pixels", max_pixels, DEFAULT_MAX_PIXELS),
-            ("region_decode", region_decode, None),
-        )
-        if value != default
-    ]
-    if ignored:
-        raise ValueError(
-            f"{', '.join(ignored)} configure the built-in decoder, but decoder={decoder!r} was passed; "
-            "leave them unset and configure that decoder itself"
-        )
-    if device is not None and resolve_device(device) != decoder.device:
-        raise ValueError(
-            f"device={str(device)!r} but decoder={decoder!r} decodes on {decoder.device}; leave device "
-            "unset or pass a decoder for that device"
-        )
-    return decoder.device
+#: Every option's default: the front ends' signatures name these.
+DEFAULTS = Options()

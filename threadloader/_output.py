@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._regions import Region
+from .decode.base import Region
 from .transforms._kernels import resample
 from .transforms.functional import Images, normalize, resample_many, resize, resize_many, to_dtype
 

@@ -7,6 +7,7 @@ stream, and ends with the event that the consumer's stream waits on.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -21,11 +22,10 @@ from torch.utils.data import default_collate
 from ._cancel import check_cancelled
 from ._handoff import ReaderStream, Ready
 from ._output import OutputFormat
-from ._regions import Region
 from ._seeding import sample_generator
 from ._sources import Blob, Fetched, Source, fetch_batch, origin_of, read_batch
 from ._stats import StatsRecorder
-from .decode.base import DecodedBatch, Encoded, ImageDecoder
+from .decode.base import DecodedBatch, Encoded, ImageDecoder, Region
 from .errors import SampleError
 from .transforms import Transform
 from .transforms.functional import Images
@@ -89,8 +89,14 @@ class BatchProducer:
         self._decoder = decoder
         self._output = output
         self._on_error = on_error
-        self._stats = stats
+        self._stats = self.stats = stats
         self._on_skip = on_skip or _skip_log_of(stats)
+
+    def using(self, decoder: ImageDecoder) -> BatchProducer:
+        """The same producer decoding with ``decoder`` (a GPU loader's first batches: Pillow's)."""
+        other = copy.copy(self)
+        other._decoder = decoder
+        return other
 
     def produce(
         self, batches: Sequence[Sequence[int]], reader: ReaderStream, *, epoch: int = 0
@@ -292,7 +298,7 @@ class _Plans:
         self._in_region: dict[int, Any] = {}
 
     def region_of(self, position: int, size: tuple[int, int]) -> Region | None:
-        """The region to decode for the sample at ``position``; see :data:`~._regions.RegionOf`."""
+        """The region to decode for the sample at ``position``; see :data:`~.decode.base.RegionOf`."""
         split = self._transform.split_region(self._draw(position, size))
         if split is None:
             return None

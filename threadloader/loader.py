@@ -15,23 +15,18 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._device import available_cpus
-from ._handoff import ReaderStream
-from ._options import as_transform, set_up
+from ._options import DEFAULTS, Options
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
+from ._runtime import Runtime
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._warmup import Warmup
 from ._workers import OrderedPool, WeakRegistry
-from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
-from .decode.nvimgcodec import NvImageCodecDecoder
-from .decode.pillow import PillowDecoder
+from .decode.base import ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
 
@@ -53,10 +48,6 @@ class _DefaultBatchSize(int):
 
 
 _DEFAULT_BATCH_SIZE = _DefaultBatchSize(32)
-
-#: Pillow threads per reader for a GPU loader's first batches (the cores the readers share, up to
-#: this): a group is one or two batches, so more would mostly start threads.
-_CPU_START_THREADS = 8
 
 
 class ThreadLoader:
@@ -179,22 +170,22 @@ class ThreadLoader:
         world_size: int | None = None,
         num_threads: int | None = None,
         prefetch: int = 2,
-        device: str | torch.device | int | None = None,
-        size: tuple[int, int] | None = None,
-        dtype: torch.dtype = torch.uint8,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        channels_last: bool = False,
+        device: str | torch.device | int | None = DEFAULTS.device,
+        size: tuple[int, int] | None = DEFAULTS.size,
+        dtype: torch.dtype = DEFAULTS.dtype,
+        mean: Sequence[float] | None = DEFAULTS.mean,
+        std: Sequence[float] | None = DEFAULTS.std,
+        channels_last: bool = DEFAULTS.channels_last,
         on_error: OnError = "raise",
-        backend: str = "auto",
-        decode_threads: int | None = None,
-        gpu_decoders: int | None = None,
-        jpeg_fancy_upsampling: bool = True,
+        backend: str = DEFAULTS.backend,
+        decode_threads: int | None = DEFAULTS.decode_threads,
+        gpu_decoders: int = DEFAULTS.gpu_decoders,
+        jpeg_fancy_upsampling: bool = DEFAULTS.jpeg_fancy_upsampling,
         decode_batch_size: int | None = None,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        transform: Transform | Sequence[Transform] | None = None,
-        region_decode: bool | None = None,
-        decoder: ImageDecoder | None = None,
+        max_pixels: int | None = DEFAULTS.max_pixels,
+        transform: Transform | Sequence[Transform] | None = DEFAULTS.transform,
+        region_decode: bool | None = DEFAULTS.region_decode,
+        decoder: ImageDecoder | None = DEFAULTS.decoder,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
     ) -> None:
@@ -207,6 +198,7 @@ class ThreadLoader:
             raise ValueError(f"prefetch must be at least 1 (batches in flight per thread), got {prefetch}")
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        options = Options.of(locals())  # the options both front ends take, checked
         self._source = as_source(source)
         self.rank, self.world_size = resolve_shard(rank, world_size)
         own_order = sampler is None and batch_sampler is None
@@ -224,7 +216,6 @@ class ThreadLoader:
             )
         self._seed_given = seed is not None
         seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
-        self._transform = as_transform(transform)
         self._plan = BatchPlan(
             num_samples=len(self._source),
             batch_size=_plan_batch_size(batch_size, batch_sampler),
@@ -236,68 +227,19 @@ class ThreadLoader:
             rank=self.rank,
             world_size=self.world_size,
         )
-        setup = set_up(
-            self._transform,
-            size=size,
-            dtype=dtype,
-            mean=mean,
-            std=std,
-            channels_last=channels_last,
-            device=device,
-            num_threads=num_threads,
-            backend=backend,
-            decode_threads=decode_threads,
-            gpu_decoders=gpu_decoders,
-            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
-            max_pixels=max_pixels,
-            region_decode=region_decode,
-            decoder=decoder,
-            batch_size=batch_size or 1,
-            decode_batch_size=decode_batch_size,
-        )
-        self.device, self.num_threads, self._output = setup.device, setup.num_threads, setup.output
         self.prefetch = prefetch
-        self.pin_memory = pin_memory and _can_pin()
-        self.decode_batch_size = setup.decode_batch_size
         self._stats = StatsRecorder()
+        self._runtime = runtime = Runtime(
+            options, batch_size=batch_size or 1, decode_batch_size=decode_batch_size
+        )
+        self.device, self.num_threads = runtime.device, runtime.num_threads
+        self.decode_batch_size = runtime.decode_batch_size
+        self.pin_memory = pin_memory and _can_pin()
         # A partial, to remake the producer with the seed a loaded state brings (see load_state_dict).
         self._new_producer = functools.partial(
-            BatchProducer,
-            source=self._source,
-            decoder=setup.decoder,
-            output=self._output,
-            on_error=on_error,
-            stats=self._stats,
-            transform=self._transform,
-            collate=collate_fn,
+            runtime.producer, source=self._source, on_error=on_error, stats=self._stats, collate=collate_fn
         )
         self._producer = self._new_producer(seed=seed)
-        # While nvImageCodec starts (seconds, once per process and device), Pillow decodes the batches.
-        self._nvimgcodec = (
-            setup.decoder if setup.warm_up and isinstance(setup.decoder, NvImageCodecDecoder) else None
-        )
-        self._cpu_decoder = (
-            PillowDecoder(
-                max_pixels=max_pixels,
-                device=self.device,
-                threads=min(_CPU_START_THREADS, max(1, available_cpus() // self.num_threads)),
-            )
-            if self._nvimgcodec is not None
-            else None
-        )
-        self._cpu_start = self._make_cpu_start(seed)
-        self._readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
-        # Loads the decoder, on the readers' streams, while the caller builds the rest.
-        self._warmup = (
-            Warmup(
-                self._new_producer,
-                self._readers,
-                threads=setup.warm_up,
-                prepare=functools.partial(self._output.prepare, self.device),
-            )
-            if setup.warm_up
-            else None
-        )
         self._next_epoch = 0
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
         self._progress: _Progress | None = None  # the latest iteration's
@@ -333,15 +275,7 @@ class ThreadLoader:
                 tasks=groups,
                 # Threads see only the producer and the streams, never the loader: dropping the loader
                 # and its iterators closes the pool.
-                work=functools.partial(
-                    _produce_on,
-                    self._producer,
-                    self._cpu_start,
-                    self._readers,
-                    self._warmup,
-                    epoch,
-                    self.pin_memory,
-                ),
+                work=functools.partial(_produce_on, self._runtime, self._producer, epoch, self.pin_memory),
                 num_threads=self.num_threads,
                 window=self.num_threads * self.prefetch,
                 name=f"threadloader-e{epoch}",
@@ -440,15 +374,7 @@ class ThreadLoader:
             if seed != self._plan.seed:
                 self._plan.seed = seed
                 self._producer = self._new_producer(seed=seed)
-                self._cpu_start = self._make_cpu_start(seed)
             self._next_epoch, self._resume, self._progress = epoch, batches, None
-
-    def _make_cpu_start(self, seed: int) -> _CpuStart | None:
-        """What decodes this loader's first batches while nvImageCodec starts, if anything."""
-        if self._nvimgcodec is None or self._cpu_decoder is None:
-            return None
-        producer = self._new_producer(seed=seed, decoder=self._cpu_decoder)
-        return _CpuStart(producer=producer, nvimgcodec=self._nvimgcodec, stats=self._stats)
 
     def stats(self) -> LoaderStats:
         """Counters and per-stage host time since construction: samples, skipped, errors, fallbacks."""
@@ -464,10 +390,9 @@ class ThreadLoader:
         with self._lock:
             self._closed = True
             iterators = self._iterators.live()
-        if self._warmup is not None:
-            self._warmup.close()
         for iterator in iterators:
             iterator.close(error=_closed_error)
+        self._runtime.close()
 
     def __enter__(self) -> ThreadLoader:
         return self
@@ -485,51 +410,14 @@ class ThreadLoader:
     def __repr__(self) -> str:
         return (
             f"ThreadLoader(samples={len(self._source)}, batches={len(self)}, device={self.device}, "
-            f"num_threads={self.num_threads}, prefetch={self.prefetch}, output={self._output})"
+            f"num_threads={self.num_threads}, prefetch={self.prefetch}, output={self._runtime.output})"
         )
 
 
-@dataclass(frozen=True)
-class _CpuStart:
-    """A GPU loader's first batches while nvImageCodec starts in the background: Pillow's, copied over.
-
-    nvImageCodec's start (its instance and first Decoder, about two seconds on an H200) is its own
-    (docs/benchmarks.md, "Memory and start-up"); a loader built a second before its loop would keep
-    its consumer waiting for it. Pillow needs no start, so the readers decode with it meanwhile.
-
-    Attributes:
-        producer: The loader's producer, its decoder Pillow on threads of each call (the consumer waits
-            for the first group), copying the images to the loader's GPU.
-        nvimgcodec: The loader's own decoder, which says whether nvImageCodec is still starting.
-        stats: Where the samples so decoded are counted (``started_on_cpu``).
-    """
-
-    producer: BatchProducer
-    nvimgcodec: NvImageCodecDecoder
-    stats: StatsRecorder
-
-    def produce(self, batches: list[list[int]], reader: ReaderStream, epoch: int) -> list[Outcome]:
-        """The group's outcomes, decoded with Pillow."""
-        outcomes = self.producer.produce(batches, reader, epoch=epoch)
-        self.stats.count("started_on_cpu", sum(len(o.indices) for o in outcomes if isinstance(o, Batch)))
-        return outcomes
-
-
 def _produce_on(
-    producer: BatchProducer,
-    cpu_start: _CpuStart | None,
-    readers: list[ReaderStream],
-    warmup: Warmup | None,
-    epoch: int,
-    pin: bool,
-    batches: list[list[int]],
-    thread: int,
+    runtime: Runtime, producer: BatchProducer, epoch: int, pin: bool, batches: list[list[int]], thread: int
 ) -> list[Outcome]:
-    if cpu_start is not None and warmup is not None and not warmup.done and cpu_start.nvimgcodec.starting:
-        return cpu_start.produce(batches, readers[thread], epoch)  # a GPU loader: nothing to pin
-    if warmup is not None:
-        warmup.wait()  # returns at once after the first group: the warm-up ran once, at construction
-    outcomes = producer.produce(batches, readers[thread], epoch=epoch)
+    outcomes = runtime.produce(producer, batches, thread, epoch=epoch)
     if pin:
         for outcome in outcomes:
             if isinstance(outcome, Batch):

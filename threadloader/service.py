@@ -22,16 +22,14 @@ from typing import Literal
 
 import torch
 
-from ._handoff import ReaderStream
-from ._options import as_transform, set_up
-from ._pipeline import BatchProducer
+from ._options import DEFAULTS, Options
+from ._runtime import Runtime
 from ._serving.engine import Engine, serve
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue
 from ._stats import STAGES, StatsRecorder
-from ._warmup import Warmup
 from ._workers import JOIN_TIMEOUT, ThreadGroup
-from .decode.base import DEFAULT_MAX_PIXELS, Encoded, ImageDecoder
+from .decode.base import Encoded, ImageDecoder
 from .errors import QueueFullError
 from .transforms import Transform
 
@@ -139,25 +137,25 @@ class BatchDecoder:
     def __init__(
         self,
         *,
-        device: str | torch.device | int | None = None,
+        device: str | torch.device | int | None = DEFAULTS.device,
         max_batch: int = 64,
         max_delay_ms: float = 2.0,
-        size: tuple[int, int] | None = None,
-        dtype: torch.dtype = torch.uint8,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        channels_last: bool = False,
-        num_threads: int | None = None,
+        size: tuple[int, int] | None = DEFAULTS.size,
+        dtype: torch.dtype = DEFAULTS.dtype,
+        mean: Sequence[float] | None = DEFAULTS.mean,
+        std: Sequence[float] | None = DEFAULTS.std,
+        channels_last: bool = DEFAULTS.channels_last,
+        num_threads: int | None = DEFAULTS.num_threads,
         max_queue: int = 1024,
         when_full: WhenFull = "block",
-        backend: str = "auto",
-        decode_threads: int | None = None,
-        gpu_decoders: int | None = None,
-        jpeg_fancy_upsampling: bool = True,
-        max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        transform: Transform | Sequence[Transform] | None = None,
-        region_decode: bool | None = None,
-        decoder: ImageDecoder | None = None,
+        backend: str = DEFAULTS.backend,
+        decode_threads: int | None = DEFAULTS.decode_threads,
+        gpu_decoders: int = DEFAULTS.gpu_decoders,
+        jpeg_fancy_upsampling: bool = DEFAULTS.jpeg_fancy_upsampling,
+        max_pixels: int | None = DEFAULTS.max_pixels,
+        transform: Transform | Sequence[Transform] | None = DEFAULTS.transform,
+        region_decode: bool | None = DEFAULTS.region_decode,
+        decoder: ImageDecoder | None = DEFAULTS.decoder,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -167,56 +165,21 @@ class BatchDecoder:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         if when_full not in ("block", "raise"):
             raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
-        chain = as_transform(transform)
-        if chain is not None and chain.random:
+        options = Options.of(locals())  # the options both front ends take, checked
+        if options.chain is not None and options.chain.random:
             raise ValueError(
-                f"{chain!r} is random: a service answers each image the same way every time; "
+                f"{options.chain!r} is random: a service answers each image the same way every time; "
                 "use deterministic transforms (Resize, CenterCrop, Normalize, ToDtype)"
             )
-        setup = set_up(
-            chain,
-            size=size,
-            dtype=dtype,
-            mean=mean,
-            std=std,
-            channels_last=channels_last,
-            device=device,
-            num_threads=num_threads,
-            backend=backend,
-            decode_threads=decode_threads,
-            gpu_decoders=gpu_decoders,
-            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
-            max_pixels=max_pixels,
-            region_decode=region_decode,
-            decoder=decoder,
-            batch_size=max_batch,
-            decode_batch_size=max_batch,
-        )
-        self.device, self.num_threads = setup.device, setup.num_threads
+        self._runtime = runtime = Runtime(options, batch_size=max_batch, decode_batch_size=max_batch)
+        self.device, self.num_threads = runtime.device, runtime.num_threads
         self.max_batch = max_batch
         self.max_delay_ms = float(max_delay_ms)
         self.max_queue = max_queue
         self.when_full: WhenFull = when_full
-        self._output = setup.output
         self._pipeline_stats = StatsRecorder()
         self._metrics = Metrics()
-        readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
-        self._warmup = warmup = None
-        if setup.warm_up:  # the first request would pay seconds of start-up: spent while the caller sets up
-            self._warmup = warmup = Warmup(
-                functools.partial(BatchProducer, decoder=setup.decoder, output=setup.output, transform=chain),
-                readers,
-                threads=setup.warm_up,
-                prepare=functools.partial(setup.output.prepare, setup.device),
-            )
-        engine = Engine(
-            decoder=setup.decoder,
-            output=setup.output,
-            transform=chain,
-            pipeline_stats=self._pipeline_stats,
-            metrics=self._metrics,
-            warmup=warmup,
-        )
+        engine = Engine(runtime=runtime, pipeline_stats=self._pipeline_stats, metrics=self._metrics)
         self._queue = RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
         # The workers see the queue and the engine, never the service: dropping it runs its finalizer.
         # Interpreter exit cancels the group: queued requests are cancelled, batches being decoded stop
@@ -224,7 +187,7 @@ class BatchDecoder:
         self._group = ThreadGroup(
             name=f"threadloader-service{next(_service_numbers)}",
             count=self.num_threads,
-            target=functools.partial(serve, self._queue, engine, readers),
+            target=functools.partial(serve, self._queue, engine),
             wake=functools.partial(self._queue.close, cancel_pending=True),
         )
 
@@ -320,10 +283,9 @@ class BatchDecoder:
                 are joined within about a second.
         """
         self._queue.close(cancel_pending=cancel_pending)
-        if self._warmup is not None:
-            self._warmup.close()
         # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
         self._group.join(JOIN_TIMEOUT if cancel_pending else None)
+        self._runtime.close()
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -349,7 +311,7 @@ class BatchDecoder:
         return (
             f"BatchDecoder(device={self.device}, max_batch={self.max_batch}, "
             f"max_delay_ms={self.max_delay_ms}, num_threads={self.num_threads}, "
-            f"max_queue={self.max_queue}, when_full={self.when_full!r}, output={self._output})"
+            f"max_queue={self.max_queue}, when_full={self.when_full!r}, output={self._runtime.output})"
         )
 
 

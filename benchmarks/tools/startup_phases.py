@@ -47,7 +47,7 @@ def phases(extensions: Sequence[str] = ()) -> dict[str, float]:
     from threadloader._pipeline import BatchProducer
     from threadloader._stats import StatsRecorder
     from threadloader._warmup import warmup_source
-    from threadloader.decode import _capi
+    from threadloader.decode.nvimgcodec import _capi
     from threadloader.decode.nvimgcodec import NvImageCodecDecoder
     from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 
@@ -55,7 +55,7 @@ def phases(extensions: Sequence[str] = ()) -> dict[str, float]:
     if extensions:
         _capi.library().extensions = _linked(_capi.library().extensions, extensions)
     mark("nvImageCodec instance (the codecs' libraries)", _capi.load)
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), cpu_threads=14)
+    decoder = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=14)
     mark("self-test (a Decoder, one decode) and the pool's first Decoder", lambda: decoder.engine)
     samples = warmup_source() * 4
     reader = ReaderStream(torch.device("cuda", 0))

@@ -13,14 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from .._cancel import Cancelled
-from .._handoff import ReaderStream, Ready
-from .._output import OutputFormat
-from .._pipeline import Batch, BatchProducer
+from .._handoff import Ready
+from .._pipeline import Batch
+from .._runtime import Runtime
 from .._stats import StatsRecorder
-from .._warmup import Warmup
-from ..decode.base import ImageDecoder
 from ..errors import LoaderClosedError, SampleError
-from ..transforms import Transform
 from .metrics import Metrics
 from .queue import Request, RequestQueue
 
@@ -45,38 +42,31 @@ class Engine:
     It holds no reference to the service, so that dropping the service runs its finalizer.
     """
 
-    decoder: ImageDecoder
-    output: OutputFormat
-    transform: Transform | None
+    runtime: Runtime
     pipeline_stats: StatsRecorder
     metrics: Metrics
-    warmup: Warmup | None = None
 
-    def run(self, requests: list[Request], reader: ReaderStream) -> None:
-        """Decodes the requests as one batch on ``reader``'s stream and answers each future."""
+    def run(self, requests: list[Request], worker: int) -> None:
+        """Decodes the requests as one batch on ``worker``'s stream and answers each future."""
         self.metrics.batch(len(requests))
         try:
-            if self.warmup is not None:
-                self.warmup.wait()  # returns at once after the first batch
-            self._answer_all(requests, self._decode(requests, reader))
+            self._answer_all(requests, self._decode(requests, worker))
         except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
             self._fail_unanswered(requests, LoaderClosedError(_CLOSED_WHILE_DECODING))
             raise
         except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
             self._fail_unanswered(requests, exc)
 
-    def _decode(self, requests: list[Request], reader: ReaderStream) -> Decoded:
+    def _decode(self, requests: list[Request], worker: int) -> Decoded:
         rejected: dict[int, SampleError] = {}
-        producer = BatchProducer(
+        producer = self.runtime.producer(
             source=[request.data for request in requests],
-            decoder=self.decoder,
-            output=self.output,
             on_error="skip",  # a bad image fails its own request only
             stats=self.pipeline_stats,
-            transform=self.transform,
             on_skip=lambda error: rejected.__setitem__(error.index, error),
         )
-        (outcome,) = producer.produce([range(len(requests))], reader)
+        # While nvImageCodec starts, Pillow decodes; else it waits for the warm-up (once).
+        (outcome,) = self.runtime.produce(producer, [range(len(requests))], worker)
         if not isinstance(outcome, Batch):  # every image of the batch failed
             return Decoded({}, rejected, None)
         return Decoded(dict(zip(outcome.indices, outcome.images, strict=True)), rejected, outcome.ready.event)
@@ -116,8 +106,8 @@ def _request_error(request: Request, error: SampleError | None) -> SampleError:
     return renamed
 
 
-def serve(queue: RequestQueue, engine: Engine, readers: list[ReaderStream], index: int) -> None:
+def serve(queue: RequestQueue, engine: Engine, index: int) -> None:
     """Worker ``index``: gathers micro-batches and decodes them until the queue is closed and drained."""
     while (requests := queue.gather()) is not None:
         if requests:
-            engine.run(requests, readers[index])
+            engine.run(requests, index)

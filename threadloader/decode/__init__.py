@@ -1,12 +1,10 @@
 """Decoders behind one small interface: nvImageCodec on the GPU, Pillow on the CPU.
 
-A decoder of one's own (``decoder=`` of the front ends) subclasses :class:`ImageDecoder`; every type in
-its signature is exported here.
+A decoder of one's own (``decoder=`` of the front ends) subclasses :class:`ImageDecoder`; the contract
+and every type in its signature are in ``base.py``, exported here.
 """
 
-from .._regions import RegionOf
-from .._stats import StatsRecorder
-from .base import DecodedBatch, Encoded, ImageDecoder
+from .base import DecodedBatch, Encoded, ImageDecoder, Region, RegionOf, StageRecorder
 from .nvimgcodec import BACKENDS, NvImageCodecDecoder
 from .pillow import PillowDecoder
 
@@ -17,6 +15,7 @@ __all__ = [
     "ImageDecoder",
     "NvImageCodecDecoder",
     "PillowDecoder",
+    "Region",
     "RegionOf",
-    "StatsRecorder",
+    "StageRecorder",
 ]

@@ -1,29 +1,75 @@
-"""The small interface every decoder implements, GPU or CPU.
+"""The decoder contract: what every decoder, GPU or CPU, built in or a user's own, implements and returns.
 
 A decoder turns a batch of encoded images into RGB ``uint8`` HWC tensors on its device. Everything
 after that (transforms, resize, dtype, normalize, layout) is device-agnostic tensor code in
-``transforms`` and ``_output``, which is what makes the CPU and GPU paths give the same output.
+``transforms`` and ``_output``, which is what makes the CPU and GPU paths give the same output. A
+decoder of one's own (``decoder=`` of the front ends) subclasses :class:`ImageDecoder`; every type
+named here is exported by ``threadloader.decode``.
+
+Region decoding, a random crop's region decoded alone instead of the whole image and a crop, is part
+of the contract; each part of it acts where its data is:
+
+1. A transform says which part of an image it reads: ``Transform.split_region(params)`` returns the
+   region and the parameters that give the same output from the region alone (``transforms/``).
+   Its ``apply_many`` must then accept a batch tensor of regions padded to one size, each at the top
+   left of its row; the padding holds arbitrary finite values.
+2. The pipeline draws a sample's parameters from the size in the header and asks the transform for its
+   region: a :data:`RegionOf` that the decoder calls (``_pipeline.py``).
+3. A decoder that can decode part of an image asks ``region_of`` with the size as displayed and
+   reports what it decoded as a region: :attr:`DecodedBatch.regions`, :attr:`DecodedBatch.batch` and
+   its ``rows`` and ``extents``; a region it gave up on is decoded whole and left out of ``regions``,
+   so the pipeline crops it with the parameters drawn from the whole image.
+4. The GPU decoder puts regions of different sizes at the top-left corners of one padded
+   ``(B, Hmax, Wmax, 3)`` tensor, which the crop's resampling reads as one batch.
+
+docs/design.md ("Region decoding for random crops") says why.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-
-from .._regions import RegionOf
-from .._stats import StatsRecorder
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "DecodedBatch",
     "Encoded",
     "ImageDecoder",
+    "Region",
     "RegionOf",
+    "StageRecorder",
     "pixel_limit_error",
 ]
+
+#: A region of an image: ``(top, left, height, width)``.
+Region = tuple[int, int, int, int]
+
+#: Asked by a decoder that can decode part of an image, with a sample's position in the batch and its
+#: displayed ``(height, width)``: the region to decode, or ``None``.
+RegionOf = Callable[[int, tuple[int, int]], Region | None]
+
+
+class StageRecorder(Protocol):
+    """Where a decoder tells its host time per stage and its counts (a loader's ``stats()``).
+
+    The stages a decoder times are ``"parse"``, ``"decode_lock"``, ``"decode"`` and ``"fallback"``;
+    its counts ``"cpu_fallbacks"`` and ``"region_decodes"`` (``threadloader.LoaderStats`` says what each
+    means).
+    """
+
+    def timed(self, stage: str) -> AbstractContextManager[None]:
+        """Times the body as host seconds of ``stage``."""
+        ...
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds ``n`` to the counter ``name``."""
+        ...
+
 
 Encoded = bytes | bytearray | memoryview
 
@@ -59,7 +105,7 @@ class DecodedBatch:
         rows: Positions whose image is in ``batch``.
         own: Position to its own ``(H, W, 3)`` tensor, for images that decoded outside ``batch``.
         regions: Positions decoded as the region ``region_of`` asked for, not as the whole image
-            (``threadloader._regions`` has that contract).
+            (the module's notes have that contract).
         causes: Position to the exception behind its error, where there is one (a decoder library's
             status code is not): the pipeline chains it as the ``SampleError``'s ``__cause__``.
     """
@@ -119,13 +165,24 @@ class ImageDecoder(ABC):
     #: Where the decoded tensors live.
     device: torch.device
 
+    #: Whether a front end starts this decoder in the background when it is built, because its first
+    #: calls cost seconds (nvImageCodec's start): a batch of the bundled photos per reader that decodes
+    #: at once, which the readers wait for, and meanwhile, while :attr:`starting`, Pillow decodes their
+    #: batches. ``THREADLOADER_WARMUP=0`` turns it off.
+    warms_up: bool = False
+
+    @property
+    def starting(self) -> bool:
+        """Whether the decoder is still starting (a front end that warms it up decodes with Pillow)."""
+        return False
+
     @abstractmethod
     def decode(
         self,
         encoded: Sequence[Encoded],
         *,
         stream: torch.cuda.Stream | None,
-        stats: StatsRecorder | None = None,
+        stats: StageRecorder | None = None,
         region_of: RegionOf | None = None,
         pad: bool = False,
     ) -> DecodedBatch:
@@ -143,4 +200,11 @@ class ImageDecoder(ABC):
 
         Returns:
             One entry per input; a sample that cannot be decoded is reported in ``errors``, never raised.
+        """
+
+    def close(self) -> None:  # noqa: B027  # most decoders hold nothing to let go of
+        """Lets go of what the decoder holds (the GPU decoder's nvImageCodec Decoders, their memory).
+
+        A front end closes the decoder it built when it is closed; one passed in with ``decoder=`` is
+        its owner's to close. Calls after it may still decode, making anew what they need.
         """

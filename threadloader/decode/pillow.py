@@ -23,7 +23,15 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .._cancel import check_cancelled
 from .._stats import StatsRecorder
 from ..errors import detached
-from .base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, pixel_limit_error
+from .base import (
+    DEFAULT_MAX_PIXELS,
+    DecodedBatch,
+    Encoded,
+    ImageDecoder,
+    RegionOf,
+    StageRecorder,
+    pixel_limit_error,
+)
 
 __all__ = ["PillowDecoder", "decode_rgb", "header_size"]
 
@@ -209,7 +217,7 @@ class PillowDecoder(ImageDecoder):
         encoded: Sequence[Encoded],
         *,
         stream: torch.cuda.Stream | None,
-        stats: StatsRecorder | None = None,
+        stats: StageRecorder | None = None,
         region_of: RegionOf | None = None,
         pad: bool = False,
     ) -> DecodedBatch:

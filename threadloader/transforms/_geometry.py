@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .._regions import Region
 from .._seeding import RandomSource, draws
+from ..decode.base import Region
 from . import functional as F
 from ._transform import Transform
 from .functional import Images

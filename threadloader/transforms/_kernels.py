@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .._regions import Region
+from ..decode.base import Region
 from ._transfer import to_device
 
 __all__ = ["resample"]

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .._regions import Region
 from .._seeding import RandomSource
+from ..decode.base import Region
 from .functional import Images
 
 __all__ = ["Compose", "Transform"]
@@ -64,7 +64,7 @@ class Transform:
         A transform that returns a region must accept, in :meth:`apply_many`, a batch tensor of
         regions padded to one size, each at the top left of its row (its new parameters say where); the
         padding holds arbitrary finite values (the decoder's are ``uint8``). The whole contract of region
-        decoding is in ``threadloader._regions``.
+        decoding is in ``threadloader.decode.base``.
 
         Returns:
             The region and the parameters that give the same output from the region alone; ``None``

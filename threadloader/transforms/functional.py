@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .._regions import Region
+from ..decode.base import Region
 from . import _kernels
 from ._transfer import to_device
 

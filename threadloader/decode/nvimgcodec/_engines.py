@@ -10,6 +10,7 @@ hand-off that a training loop beside it pays.
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -20,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._regions import Region
+from ..base import Encoded, Region
 from . import _capi
 from ._jpeg import exif_orientation
-from .base import Encoded
 
 __all__ = [
     "BACKENDS",
     "CONFIGS",
+    "ENGINES",
     "HARDWARE_SHARE",
     "CApiEngine",
     "Engine",
@@ -36,8 +37,13 @@ __all__ = [
     "Memory",
     "PythonApiEngine",
     "decoder_options",
+    "engine_named",
+    "import_nvimgcodec",
     "uses_engine",
 ]
+
+#: The engines by name: ``"capi"``, the default where it loads and passes its self-test, and ``"python"``.
+ENGINES = ("capi", "python")
 
 #: Share of each batch the JPEG engine takes under ``backend="split"``: DALI's ``hw_decoder_load`` default.
 HARDWARE_SHARE = 0.65
@@ -186,6 +192,9 @@ class Engine(ABC):
         ``fancy_upsampling``: smooth JPEG chroma upsampling, as Pillow's (see :func:`decoder_options`).
         """
 
+    def destroy(self, decoder: Any) -> None:  # noqa: B027  # the Python API's are freed with their object
+        """Frees a Decoder this engine made, once no thread will call it again."""
+
     @abstractmethod
     def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:
         """Reads the headers of a batch (the bytes must outlive the batch's :meth:`EngineBatch.decode`).
@@ -221,6 +230,9 @@ class CApiEngine(Engine):
                 options=decoder_options(fancy_upsampling=fancy_upsampling),
             )
 
+    def destroy(self, decoder: Any) -> None:
+        decoder.destroy()
+
     def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:
         if apart:
             return _CApiBatch(_capi.Workspace(self._instance), encoded)
@@ -239,7 +251,9 @@ class _CApiBatch(EngineBatch):
 
     def reparse(self, position: int, data: Encoded) -> str | None:
         status = self._workspace.reparse(position, data)
-        return None if status == 0 else f"nvImageCodec cannot parse the rewritten header (status {status})"
+        if status == 0:
+            return None
+        return f"nvImageCodec cannot parse the rewritten header ({_capi.status_name(status)})"
 
     def crop(self, position: int, region: Region) -> bool:
         return self._workspace.crop(position, *region) == 0
@@ -268,10 +282,6 @@ class _CApiBatch(EngineBatch):
         return extents
 
 
-_UINT8 = 0x0802
-_PALETTE = 6
-
-
 def _headers_of(infos: Any, statuses: list[int]) -> Headers:
     """The headers of a batch from nvImageCodec's ImageInfo records, one vectorised read per field."""
     codecs = [codec.decode("ascii", "replace") for codec in infos["codec"].tolist()]
@@ -280,11 +290,11 @@ def _headers_of(infos: Any, statuses: list[int]) -> Headers:
         heights=infos["height"].tolist(),
         widths=infos["width"].tolist(),
         channels=(infos["num_planes"] * infos["num_channels"]).tolist(),  # planar: one channel a plane
-        eight_bit=(infos["sample_type"] == _UINT8).tolist(),
-        palette=(infos["color_spec"] == _PALETTE).tolist(),
+        eight_bit=(infos["sample_type"] == _capi.UINT8).tolist(),
+        palette=(infos["color_spec"] == _capi.PALETTE).tolist(),
         turned=(infos["rotated"] % 180 == 90).tolist(),
         failures={
-            p: f"nvImageCodec cannot parse it (status {status})"
+            p: f"nvImageCodec cannot parse it ({_capi.status_name(status)})"
             for p, status in enumerate(statuses)
             if status
         },
@@ -457,3 +467,39 @@ def _code_stream(nvimgcodec: ModuleType, data: Encoded) -> Any:
     stream = nvimgcodec.CodeStream(data if isinstance(data, bytes) else np.frombuffer(data, dtype=np.uint8))
     _ = stream.height  # some formats (GIF) construct but fail on first access: fail here
     return stream
+
+
+def import_nvimgcodec() -> ModuleType:
+    """Imports nvImageCodec's Python API, or explains how to install it."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError as exc:
+        raise ImportError(
+            "GPU decoding needs nvImageCodec: pip install 'threadloader[cu12]' (CUDA 12) or "
+            "'threadloader[cu13]' (CUDA 13), matching your torch build; or pass device='cpu'"
+        ) from exc
+    return nvimgcodec
+
+
+@functools.cache
+def _python_engine() -> PythonApiEngine:
+    return PythonApiEngine(import_nvimgcodec())
+
+
+@functools.cache
+def _capi_engine() -> CApiEngine:
+    return CApiEngine(_capi.load())  # raises _capi.Unsupported, the same on every call (not cached)
+
+
+def engine_named(name: str) -> Engine:
+    """The process's engine called ``name`` (one of :data:`ENGINES`), made on first use.
+
+    Raises:
+        _capi.Unsupported: For ``"capi"`` where the C API cannot be used, saying why.
+        ImportError: For ``"python"`` without nvImageCodec.
+    """
+    if name == "capi":
+        return _capi_engine()
+    if name == "python":
+        return _python_engine()
+    raise ValueError(f"engine must be one of {ENGINES}, got {name!r}")

@@ -4,12 +4,18 @@ Why one thread per Decoder: with nvImageCodec 0.9.0, two threads calling one Dec
 the process (segmentation fault, nvjpeg "execution failed"), while separate Decoders on one device
 decode at the same time safely, and two of them decode more images per second than one
 (docs/design.md, "Decoder engines"). So a reader thread leases a Decoder for each call.
+
+Why pools end: a Decoder holds device memory and threads of its own, and a pool's key follows the
+options (backend, threads, batch size), so a notebook or a server that builds loaders with different
+settings made a new pool for each and kept them all. Each decoder claims the pools it uses while it is
+open; when the last claim on a pool ends, its Decoders are destroyed (at once if idle, else when their
+call returns), so what stays is what open loaders can use.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,19 +35,25 @@ class DecoderRegistry:
     Decoders are leased: a thread holds one for a call and returns it, so no two calls into one Decoder
     run at once, whichever loader or service makes them, while different Decoders decode in parallel.
     A pool makes Decoders only when every one it has is busy, up to the limit its caller gives: a single
-    reader thread never costs the memory of a second Decoder. The library uses one registry
-    (``nvimgcodec.SHARED``); a test makes its own, with Decoders of its own making.
+    reader thread never costs the memory of a second Decoder. A pool that has been claimed
+    (:meth:`claim`) lives while it is claimed; one never claimed (a test's) keeps its Decoders. The
+    library uses one registry (``SHARED``); a test makes its own, with Decoders of its own making.
 
     Args:
         new_decoder: Makes a Decoder, called with the key's fields.
+        destroy: Frees a Decoder, called with its key and the Decoder once no thread holds it.
     """
 
-    def __init__(self, new_decoder: Callable[..., Any]) -> None:
+    def __init__(
+        self, new_decoder: Callable[..., Any], destroy: Callable[[Hashable, Any], None] | None = None
+    ) -> None:
         self._new_decoder = new_decoder
+        self._destroy = destroy or (lambda _key, _decoder: None)
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
         self._idle: dict[Hashable, list[Any]] = {}
         self._made: dict[Hashable, int] = {}
+        self._claims: dict[Hashable, int] = {}
         self._verdicts: dict[Hashable, bool] = {}
         self._allocation_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -69,10 +81,16 @@ class DecoderRegistry:
             raise
 
     def release(self, key: Hashable, decoder: Any) -> None:
-        """Returns a Decoder from :meth:`acquire` to its pool."""
+        """Returns a Decoder from :meth:`acquire` to its pool, or destroys it if the pool has ended."""
         with self._returned:
-            self._idle[key].append(decoder)
+            ended = self._claims.get(key) == 0
+            if ended:
+                self._made[key] -= 1
+            else:
+                self._idle[key].append(decoder)
             self._returned.notify()
+        if ended:
+            self._destroy(key, decoder)
 
     @contextmanager
     def lease(self, key: Hashable, limit: int) -> Iterator[Any]:
@@ -82,6 +100,35 @@ class DecoderRegistry:
             yield decoder
         finally:
             self.release(key, decoder)
+
+    def claim(self, keys: Iterable[Hashable]) -> None:
+        """Says that a decoder uses the pools of ``keys`` until it calls :meth:`unclaim` with them."""
+        with self._lock:
+            for key in keys:
+                self._claims[key] = self._claims.get(key, 0) + 1
+
+    def unclaim(self, keys: Iterable[Hashable]) -> None:
+        """Ends claims made by :meth:`claim`: a pool whose last claim ends has its Decoders destroyed."""
+        ended: list[tuple[Hashable, Any]] = []
+        with self._lock:
+            for key in keys:
+                left = self._claims[key] = self._claims[key] - 1
+                if left == 0:
+                    idle = self._idle.pop(key, [])
+                    self._made[key] = self._made.get(key, 0) - len(idle)
+                    ended.extend((key, decoder) for decoder in idle)
+        for key, decoder in ended:  # outside the lock: destroying joins the Decoder's threads
+            self._destroy(key, decoder)
+
+    @contextmanager
+    def claimed(self, keys: Iterable[Hashable]) -> Iterator[None]:
+        """:meth:`claim` and :meth:`unclaim` around a block."""
+        keys = list(keys)
+        self.claim(keys)
+        try:
+            yield
+        finally:
+            self.unclaim(keys)
 
     def made(self, key: Hashable) -> int:
         """How many Decoders exist for ``key``."""
@@ -111,7 +158,7 @@ class DecoderRegistry:
         return True
 
     def allocation_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The device's stream that decode outputs are allocated on (see ``nvimgcodec._Outputs``)."""
+        """The device's stream that decode outputs are allocated on (see ``_memory.py``)."""
         with self._lock:
             stream = self._allocation_streams.get(device.index)  # type: ignore[arg-type]
             if stream is None:

@@ -9,14 +9,15 @@ memory, made through :class:`ctypes.PyDLL`, which keeps the GIL; only the per-ba
 
 The binding mirrors the C structs of nvImageCodec 0.9 exactly, and the ABI changed at every minor
 release from 0.5 to 0.9, so :func:`load` accepts only 0.9.x, checks the size of every mirrored struct,
-and the caller runs a functional self-test before trusting it (``nvimgcodec.py``); anything else is
+and the caller runs a functional self-test before trusting it (``_startup.py``); anything else is
 :class:`Unsupported`, and the Python API is used instead. The facts behind every layout and call are in
 ``nvimgcodec.h`` of the 0.9.0 wheel.
 
-Lifetimes: one :class:`Instance` per process, never destroyed (its Decoders are pooled for the life of
-the process, and destroying them at exit would race the CUDA runtime's own teardown); code streams and
-images live in a :class:`Workspace` of one thread, reused batch after batch (the C API re-initializes a
-non-NULL handle in place), destroyed with it.
+Lifetimes: one :class:`Instance` per process, never destroyed (destroying it at exit would race the
+CUDA runtime's own teardown); a :class:`Decoder` is destroyed by the pool that made it once no decoder
+uses its configuration (``_registry.py``), never at exit; code streams and images live in a
+:class:`Workspace` of one thread, reused batch after batch (the C API re-initializes a non-NULL handle in
+place), destroyed with it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .._gil import Pacer
+from ..._gil import Pacer
 
 __all__ = [
     "CPU_ONLY",
@@ -54,6 +55,8 @@ __all__ = [
     "HW_GPU_ONLY",
     "HYBRID_CPU_GPU",
     "IMAGE_INFO",
+    "PALETTE",
+    "UINT8",
     "BackendSpec",
     "Decoder",
     "Instance",
@@ -61,6 +64,7 @@ __all__ = [
     "Unsupported",
     "Workspace",
     "load",
+    "status_name",
 ]
 
 # Structure types (nvimgcodecStructureType_t), 0.6 and later.
@@ -74,12 +78,31 @@ _LOAD_HINT_FIXED = 2
 #: ``device_id`` of a Decoder that decodes into host memory with the CPU backends only.
 DEVICE_CPU_ONLY = -99999
 
-_UINT8 = 0x0802  # nvimgcodecSampleDataType_t
+#: nvimgcodecSampleDataType_t's 8-bit unsigned samples, and nvimgcodecColorSpec_t's palette: what a
+#: header says of an image's samples.
+UINT8, PALETTE = 0x0802, 6
 _I_RGB, _SRGB, _SAMPLING_NONE = 8, 1, 0
 _DEVICE_BUFFER, _HOST_BUFFER = 1, 2  # nvimgcodecImageBufferKind_t: strided device / host memory
 _SUCCESS = 1  # nvimgcodecProcessingStatus_t: every failure code has bit 0 set too; compare with ==
 _SEVERITY = 0x1000 | 0x10000 | 0x100000  # warnings, errors, fatal errors on stderr
 _CATEGORY_ALL = 0x0FFFFFFF
+
+#: nvimgcodecStatus_t's names (0 is success), for messages that say more than a number.
+_STATUS_NAMES = (
+    "SUCCESS", "NOT_INITIALIZED", "INVALID_PARAMETER", "BAD_CODESTREAM", "CODESTREAM_UNSUPPORTED",
+    "ALLOCATOR_FAILURE", "EXECUTION_FAILED", "ARCH_MISMATCH", "INTERNAL_ERROR", "IMPLEMENTATION_UNSUPPORTED",
+    "MISSED_DEPENDENCIES", "EXTENSION_NOT_INITIALIZED", "EXTENSION_INVALID_PARAMETER",
+    "EXTENSION_BAD_CODE_STREAM", "EXTENSION_CODESTREAM_UNSUPPORTED", "EXTENSION_ALLOCATOR_FAILURE",
+    "EXTENSION_ARCH_MISMATCH", "EXTENSION_INTERNAL_ERROR", "EXTENSION_IMPLEMENTATION_NOT_SUPPORTED",
+    "EXTENSION_INCOMPLETE_BITSTREAM", "EXTENSION_EXECUTION_FAILED", "EXTENSION_CUDA_CALL_ERROR",
+)  # fmt: skip
+
+
+def status_name(status: int) -> str:
+    """``"status 3 (BAD_CODESTREAM)"``: an nvimgcodecStatus_t as a message shows it."""
+    name = _STATUS_NAMES[status] if 0 <= status < len(_STATUS_NAMES) else "unknown"
+    return f"status {status} ({name})"
+
 
 _HEADER: list[tuple[str, Any]] = [
     ("struct_type", c_int32),
@@ -254,6 +277,7 @@ _FUNCTIONS = (
     ("nvimgcodecGetProperties", [c_void_p], False),
     ("nvimgcodecInstanceCreate", [c_void_p, c_void_p], True),
     ("nvimgcodecDecoderCreate", [c_void_p, c_void_p, c_void_p, c_char_p], True),
+    ("nvimgcodecDecoderDestroy", [c_void_p], True),  # joins its threads, frees its CUDA resources
     ("nvimgcodecCodeStreamCreateFromHostMem", [c_void_p, c_void_p, c_void_p, c_size_t, c_void_p], False),
     ("nvimgcodecCodeStreamGetImageInfo", [c_void_p, c_void_p], False),
     ("nvimgcodecCodeStreamGetSubCodeStream", [c_void_p, c_void_p, c_void_p], False),
@@ -291,7 +315,9 @@ class Library:
         properties = _Properties(_PROPERTIES, sizeof(_Properties), None)
         status = self.GetProperties(ctypes.byref(properties))
         if status != 0:
-            raise Unsupported(f"nvimgcodecGetProperties failed with status {status} (nvImageCodec < 0.6?)")
+            raise Unsupported(
+                f"nvimgcodecGetProperties failed with {status_name(status)} (nvImageCodec < 0.6?)"
+            )
         self.version = properties.version  # major * 1000 + minor * 100 + patch
         self.cudart_version = properties.cudart_version
         if self.version // 100 != 9:
@@ -304,6 +330,7 @@ class Library:
     GetProperties: Any
     InstanceCreate: Any
     DecoderCreate: Any
+    DecoderDestroy: Any
     CodeStreamCreateFromHostMem: Any
     CodeStreamGetImageInfo: Any
     CodeStreamGetSubCodeStream: Any
@@ -341,7 +368,7 @@ class Instance:
         handle = c_void_p()
         status = library.InstanceCreate(ctypes.byref(handle), ctypes.byref(info))
         if status != 0 or not handle.value:
-            raise Unsupported(f"nvimgcodecInstanceCreate failed with status {status}")
+            raise Unsupported(f"nvimgcodecInstanceCreate failed with {status_name(status)}")
         self.handle: int = handle.value
 
 
@@ -350,7 +377,7 @@ BackendSpec = tuple[int, float]
 
 
 class Decoder:
-    """An nvImageCodec Decoder: one thread calls it at a time (the pool in ``nvimgcodec.py`` ensures it).
+    """An nvImageCodec Decoder: one thread calls it at a time (its pool, ``_registry.py``, ensures it).
 
     Args:
         instance: The process's instance.
@@ -402,9 +429,15 @@ class Decoder:
         if status != 0 or not handle.value:
             raise RuntimeError(
                 f"nvImageCodec could not make a Decoder on device {device_id} with backends {backends} "
-                f"(status {status})"
+                f"({status_name(status)})"
             )
         self.handle: int = handle.value
+
+    def destroy(self) -> None:
+        """Frees the Decoder: its threads, its device memory. Idempotent; never while it decodes."""
+        handle, self.handle = self.handle, 0
+        if handle:
+            self.instance.library.DecoderDestroy(handle)
 
 
 _MAX_RESULT_POSITIONS = 1 << 16
@@ -432,6 +465,7 @@ class Workspace:
         self._chosen = np.zeros(0, dtype=np.uint64)  # per position: what is decoded, a stream or a region
         self.infos = np.zeros(0, IMAGE_INFO)
         self._data: list[Any] = []  # what each code stream reads: kept alive until the next parse
+        self._count = 0  # positions of the batch parsed last
         self._view = _CodeStreamView(_CODE_STREAM_VIEW, sizeof(_CodeStreamView), None)
         self._view.region.struct_type, self._view.region.struct_size = _REGION, sizeof(_Region)
         self._view.region.ndim = 2
@@ -469,6 +503,7 @@ class Workspace:
         """
         count = len(data)
         self._reserve(count)
+        self._count = count
         self.infos[:count]["struct_next"] = 0
         self._data = [None] * count
         statuses = []
@@ -481,6 +516,7 @@ class Workspace:
 
     def reparse(self, position: int, data: Any) -> int:
         """Parses other bytes at ``position`` (a rewritten header); nvImageCodec's status, 0 if read."""
+        self._check_positions([position])
         status = self._parse_one(position, data)
         self._chosen[position] = self._streams[position]
         return status
@@ -509,6 +545,7 @@ class Workspace:
         Returns:
             nvImageCodec's status, 0 if the region was set; the whole image is decoded otherwise.
         """
+        self._check_positions([position])
         region = self._view.region
         region.start[0], region.start[1], region.end[0], region.end[1] = top, left, top + height, left + width
         status = self._library.CodeStreamGetSubCodeStream(
@@ -520,6 +557,7 @@ class Workspace:
 
     def uncrop(self, positions: Sequence[int]) -> None:
         """Decodes the whole images at ``positions`` again (regions the decoder gave up on)."""
+        self._check_positions(positions)
         index = np.asarray(positions, dtype=np.intp)
         self._chosen[index] = self._streams[index]
 
@@ -535,9 +573,12 @@ class Workspace:
     ) -> list[int]:
         """Describes the memory each position decodes into, as interleaved RGB ``uint8``.
 
-        Nothing checks that the memory is large enough: nvImageCodec writes ``height`` rows of
-        ``width * 3`` bytes, ``row_stride`` bytes apart, from the address (the tests check with guard
-        bytes). ``shapes`` are the decoded sizes: a region's, or the image's as displayed.
+        nvImageCodec writes ``height`` rows of ``width * 3`` bytes, ``row_stride`` bytes apart, from the
+        address, and nothing there checks that the memory is that large: the caller allocates it (the
+        tests check with guard bytes). What is checked here is what this binding writes itself: each
+        position is one of the batch parsed last (its handles and ImageInfo are slots of arrays of that
+        size), and each description is an image (a positive size, rows that do not overlap, an address).
+        ``shapes`` are the decoded sizes: a region's, or the image's as displayed.
 
         Args:
             positions: Positions parsed without error.
@@ -549,7 +590,26 @@ class Workspace:
 
         Returns:
             Per position, nvImageCodec's status: 0 where the output image was made.
+
+        Raises:
+            ValueError: For a position not of the batch parsed last, lists of different lengths, or an
+                image that is not one (nothing has been written then).
         """
+        self._check_positions(positions)
+        if not len(positions) == len(addresses) == len(shapes) == len(row_strides):
+            raise ValueError(
+                f"bind needs one address, shape and row stride per position: got {len(positions)} "
+                f"positions, {len(addresses)} addresses, {len(shapes)} shapes, {len(row_strides)} strides"
+            )
+        for position, address, (height, width), stride in zip(
+            positions, addresses, shapes, row_strides, strict=True
+        ):
+            if height < 1 or width < 1 or stride < 3 * width or not address:
+                raise ValueError(
+                    f"position {position}: {height}x{width} at address {address:#x} with rows {stride} "
+                    "bytes apart is not an image's memory (a positive size, rows of at least 3 * width "
+                    "bytes, an address)"
+                )
         index = np.asarray(positions, dtype=np.intp)
         infos = self.infos
         heights, widths = zip(*shapes, strict=True) if len(shapes) else ((), ())
@@ -563,7 +623,7 @@ class Workspace:
             ("sample_format", _I_RGB),
             ("num_planes", 1),
             ("num_channels", 3),
-            ("sample_type", _UINT8),
+            ("sample_type", UINT8),
             ("precision", 0),
             ("height", heights),
             ("width", widths),
@@ -583,6 +643,15 @@ class Workspace:
             pacer.tick()
         return statuses
 
+    def _check_positions(self, positions: Sequence[int]) -> None:
+        """Raises for a position outside the batch parsed last, before anything writes there."""
+        outside = [p for p in positions if not 0 <= p < self._count]
+        if outside:
+            raise ValueError(
+                f"positions {outside} are not of the batch parsed last ({self._count} images): parse the "
+                "batch before binding, cropping or decoding its positions"
+            )
+
     def decode(self, decoder: Decoder, positions: Sequence[int]) -> list[bool]:
         """Decodes the bound positions in one call; whether each succeeded.
 
@@ -596,6 +665,7 @@ class Workspace:
         count = len(positions)
         if count == 0:
             return []
+        self._check_positions(positions)
         if count > _MAX_RESULT_POSITIONS:
             raise ValueError(f"at most {_MAX_RESULT_POSITIONS} images per decode call, got {count}")
         index = np.asarray(positions, dtype=np.intp)
@@ -608,7 +678,7 @@ class Workspace:
             ctypes.byref(future),
         )  # fmt: skip
         if status != 0 or not future.value:
-            raise RuntimeError(f"nvimgcodecDecoderDecode failed with status {status}")
+            raise RuntimeError(f"nvimgcodecDecoderDecode failed with {status_name(status)}")
         try:
             status = library.FutureWaitForAll(future)
             results = (c_uint32 * count)()
@@ -618,7 +688,9 @@ class Workspace:
         finally:
             library.FutureDestroy(future)
         if status != 0 or got.value != count:
-            raise RuntimeError(f"nvImageCodec's decode failed with status {status} ({got.value} results)")
+            raise RuntimeError(
+                f"nvImageCodec's decode failed with {status_name(status)} ({got.value} results)"
+            )
         return [result == _SUCCESS for result in results]
 
     def close(self) -> None:

@@ -1,0 +1,115 @@
+"""The options both front ends take: declared once, checked once, the same in both, reaching the decoder.
+
+An option is a field of ``Options`` (its default, its check); each front end names it in its
+signature with that default, and the runtime hands each decoding option to the GPU decoder under the
+same name. These tests fail when one of those places is left out for a new option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from threadloader import BatchDecoder, ThreadLoader
+from threadloader._options import DEFAULTS, Options
+from threadloader._runtime import build_decoder
+from threadloader.decode import NvImageCodecDecoder, PillowDecoder
+
+OPTIONS = [field.name for field in dataclasses.fields(Options)]
+
+#: A value other than the default for each option that configures the GPU decoder, as it reaches it.
+DECODING = {
+    "backend": "hybrid",
+    "decode_threads": 3,
+    "gpu_decoders": 4,
+    "jpeg_fancy_upsampling": False,
+    "max_pixels": 1234,
+    "region_decode": False,
+}
+
+
+@pytest.mark.parametrize("front_end", [ThreadLoader, BatchDecoder])
+def test_every_option_is_a_keyword_of_both_front_ends_with_the_one_default(front_end: type) -> None:
+    parameters = inspect.signature(front_end.__init__).parameters
+    for name in OPTIONS:
+        assert name in parameters, f"{front_end.__name__} does not take the option {name}"
+        parameter = parameters[name]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert parameter.default is getattr(DEFAULTS, name), (
+            f"{front_end.__name__}'s default for {name} is {parameter.default!r}, the options' "
+            f"{getattr(DEFAULTS, name)!r}: name DEFAULTS.{name} in its signature"
+        )
+
+
+def test_every_option_that_configures_the_gpu_decoder_reaches_it_under_its_name() -> None:
+    """The GPU decoder's constructor touches no GPU: it is built here for a CUDA device."""
+    decoder_parameters = set(inspect.signature(NvImageCodecDecoder.__init__).parameters)
+    assert set(DECODING) == (decoder_parameters & set(OPTIONS)) - {"device"}  # a new one is listed above
+    for name, value in DECODING.items():
+        built = build_decoder(Options(**{name: value}), torch.device("cuda", 0), threads=2, batch=96)
+        assert isinstance(built, NvImageCodecDecoder)
+        assert getattr(built, name) == value, name
+        assert built.batch_size == 96
+
+
+def test_the_defaults_derive_what_the_user_left_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    from threadloader import _options
+
+    monkeypatch.setattr(_options, "available_cpus", lambda: 16)
+    built = build_decoder(DEFAULTS, torch.device("cuda", 0), threads=2, batch=64)
+    assert isinstance(built, NvImageCodecDecoder)
+    assert (built.decode_threads, built.gpu_decoders, built.region_decode) == ((16 - 2) // 2, 2, True)
+    assert isinstance(build_decoder(DEFAULTS, torch.device("cpu"), threads=2, batch=64), PillowDecoder)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"backend": "nvjpeg"}, ValueError, r"backend must be one of \['all', 'auto', .*got 'nvjpeg'"),
+        ({"gpu_decoders": 0}, ValueError, "gpu_decoders must be an int of at least 1, got 0"),
+        ({"gpu_decoders": "2"}, ValueError, "gpu_decoders must be an int of at least 1, got '2'"),
+        ({"decode_threads": 0}, ValueError, "decode_threads must be at least 1, got 0"),
+        ({"num_threads": 0}, ValueError, "num_threads must be at least 1, got 0"),
+        ({"jpeg_fancy_upsampling": 1}, TypeError, "jpeg_fancy_upsampling must be True or False, got 1"),
+        ({"region_decode": "no"}, TypeError, "region_decode must be True, False or None, got 'no'"),
+        ({"transform": "flip"}, TypeError, "str is not a threadloader transform"),
+    ],
+)
+@pytest.mark.parametrize("front_end", ["options", "loader", "service"])
+def test_each_option_is_checked_once_with_the_same_words_in_both_front_ends_on_any_device(
+    front_end: str, options: dict[str, object], error: type, message: str
+) -> None:
+    """The check is the options' own, so both front ends (on the CPU here) refuse the same values with
+    the same message as the options do, and as a GPU front end would."""
+    with pytest.raises(error, match=message):
+        if front_end == "options":
+            Options(**options)  # type: ignore[arg-type]
+        elif front_end == "loader":
+            ThreadLoader([b"x"], batch_size=1, device="cpu", **options)  # type: ignore[arg-type]
+        else:
+            BatchDecoder(device="cpu", **options)  # type: ignore[arg-type]
+
+
+def test_decoding_options_are_refused_beside_a_decoder_of_ones_own() -> None:
+    for name, value in DECODING.items():
+        with pytest.raises(ValueError, match=f"{name} configure the built-in decoder"):
+            ThreadLoader([b"x"], batch_size=1, decoder=PillowDecoder(), **{name: value})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"decoder must be a threadloader\.decode\.ImageDecoder, got str"):
+        Options(decoder="pillow")  # type: ignore[arg-type]
+
+
+def test_options_are_frozen_and_take_a_front_ends_arguments_by_name() -> None:
+    arguments = {
+        "self": None,
+        "source": [],
+        "backend": "all",
+        **{name: getattr(DEFAULTS, name) for name in OPTIONS},
+    }
+    arguments["backend"] = "all"
+    options = Options.of(arguments)
+    assert options.backend == "all"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.backend = "auto"  # type: ignore[misc]

@@ -1,0 +1,166 @@
+"""What a front end runs on, built once from its options: device, decoder, output, reader streams, start.
+
+``ThreadLoader`` and ``BatchDecoder`` differ in where batches come from (a sampler's groups; requests
+gathered into micro-batches), not in what makes them. Both build a :class:`Runtime`: the device, the
+reader threads' count and CUDA streams, the decoder (nvImageCodec on a GPU, Pillow on the CPU, or the
+caller's own), the output format, and, for a decoder that ``warms_up`` (the GPU decoder), its start in
+the background: the warm-up (``_warmup.py``) and, while it is ``starting``, Pillow for the first
+batches. A front end asks it for producers and has each group made through :meth:`Runtime.produce`;
+neither front end names a concrete decoder.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._device import available_cpus, resolve_device
+from ._handoff import ReaderStream
+from ._options import DEFAULTS, Options, decode_batch_size_on, warm_up_wanted
+from ._pipeline import Batch, BatchProducer, Outcome
+from ._warmup import Warmup
+from .decode.base import ImageDecoder
+from .decode.nvimgcodec import NvImageCodecDecoder
+from .decode.pillow import PillowDecoder
+
+__all__ = ["Runtime", "build_decoder"]
+
+#: Pillow threads per reader for a GPU front end's first batches (the cores the readers share, up to
+#: this): a group is one or two batches, so more would mostly start threads.
+_CPU_START_THREADS = 8
+
+
+class Runtime:
+    """A front end's device, threads, decoder, output format, reader streams and background start.
+
+    Args:
+        options: The front end's options.
+        batch_size: Its batch (the GPU decoder's default images per call follow it).
+        decode_batch_size: Images per decoder call; ``None``: the device's default for ``batch_size``.
+
+    Attributes:
+        device: Where batches are made (the decoder's, for a decoder passed in).
+        num_threads: Reader (or worker) threads, one per entry of ``readers``.
+        decode_batch_size: Images per decoder call.
+        decoder: The decoder.
+        output: The output format.
+        readers: One CUDA stream per reader thread (nothing on the CPU).
+
+    Raises:
+        ValueError: For a ``device`` another than the decoder passed in decodes on, or an nvImageCodec
+            ``backend`` on the CPU.
+    """
+
+    def __init__(self, options: Options, *, batch_size: int, decode_batch_size: int | None = None) -> None:
+        self.options = options
+        decoder = options.decoder
+        self.device = resolve_device(options.device) if decoder is None else _device_of(decoder, options)
+        self.num_threads = options.threads_on(self.device)
+        self.decode_batch_size = decode_batch_size_on(self.device, batch_size, decode_batch_size)
+        self.output = options.output_format()
+        self.readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
+        self._cpu_start: PillowDecoder | None = None
+        self._warmup: Warmup | None = None
+        self._built = decoder is None
+        if decoder is None:
+            decoder = build_decoder(
+                options, self.device, threads=self.num_threads, batch=self.decode_batch_size
+            )
+        self.decoder = decoder
+        if self.decoder.warms_up and warm_up_wanted():
+            # Loads the decoder, on the readers' streams, while the caller builds the rest; meanwhile
+            # the readers decode with Pillow, copied to the GPU.
+            self._warmup = Warmup(
+                self.producer,
+                self.readers,
+                # A batch per call the decoder runs at once (the GPU decoder's Decoders; one for others).
+                threads=min(self.num_threads, getattr(self.decoder, "gpu_decoders", 1)),
+                prepare=functools.partial(self.output.prepare, self.device),
+            )
+            self._cpu_start = PillowDecoder(
+                max_pixels=options.max_pixels,
+                device=self.device,
+                threads=min(_CPU_START_THREADS, max(1, available_cpus() // self.num_threads)),
+            )
+
+    @property
+    def transform(self) -> Any:
+        """The user's transforms as one (``None``: none)."""
+        return self.options.chain
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether a background warm-up was started (a decoder that ``warms_up``)."""
+        return self._warmup is not None
+
+    def producer(self, **arguments: Any) -> BatchProducer:
+        """A producer on this runtime's decoder, output format and transforms.
+
+        ``arguments`` are the rest of :class:`BatchProducer`'s (source, stats, on_error...).
+        """
+        return BatchProducer(decoder=self.decoder, output=self.output, transform=self.transform, **arguments)
+
+    def produce(
+        self, producer: BatchProducer, batches: Sequence[Sequence[int]], thread: int, *, epoch: int = 0
+    ) -> list[Outcome]:
+        """``producer``'s outcomes for a group, made by reader ``thread`` on its stream.
+
+        While nvImageCodec is still starting on this device (the process's first seconds), Pillow decodes
+        the group (``stats().started_on_cpu`` counts its samples); after, the reader waits for the rest
+        of the warm-up (milliseconds, once) and decodes on the GPU.
+        """
+        reader = self.readers[thread]
+        warmup, cpu = self._warmup, self._cpu_start
+        if warmup is not None and cpu is not None and not warmup.done and self.decoder.starting:
+            outcomes = producer.using(cpu).produce(batches, reader, epoch=epoch)
+            started = sum(len(outcome.indices) for outcome in outcomes if isinstance(outcome, Batch))
+            producer.stats.count("started_on_cpu", started)
+            return outcomes
+        if warmup is not None:
+            warmup.wait()  # returns at once after the first group: the warm-up ran once, at construction
+        return producer.produce(batches, reader, epoch=epoch)
+
+    def close(self) -> None:
+        """Stops the warm-up, and lets the decoder built here go (its Decoders' memory). Idempotent."""
+        if self._warmup is not None:
+            self._warmup.close()
+        if self._built:
+            self.decoder.close()
+
+
+def build_decoder(options: Options, device: torch.device, *, threads: int, batch: int) -> ImageDecoder:
+    """The built-in decoder for ``device``: nvImageCodec on a GPU, Pillow (whole images) on the CPU.
+
+    Each decoding option reaches the GPU decoder under its own name; ``threads`` readers decode calls
+    of ``batch`` images.
+    """
+    if device.type == "cpu":
+        if options.backend != DEFAULTS.backend:
+            raise ValueError(
+                f"backend={options.backend!r} selects an nvImageCodec backend; with device='cpu' Pillow "
+                "decodes"
+            )
+        return PillowDecoder(max_pixels=options.max_pixels)
+    return NvImageCodecDecoder(
+        device,
+        backend=options.backend,
+        decode_threads=options.decode_threads_for(threads),
+        jpeg_fancy_upsampling=options.jpeg_fancy_upsampling,
+        max_pixels=options.max_pixels,
+        region_decode=options.regions(),
+        gpu_decoders=options.gpu_decoders,
+        batch_size=batch,
+    )
+
+
+def _device_of(decoder: ImageDecoder, options: Options) -> Any:
+    """The device of a decoder passed in, refusing another ``device``."""
+    if options.device is not None and resolve_device(options.device) != decoder.device:
+        raise ValueError(
+            f"device={str(options.device)!r} but decoder={decoder!r} decodes on {decoder.device}; leave "
+            "device unset or pass a decoder for that device"
+        )
+    return decoder.device
