@@ -164,7 +164,7 @@ def _rgb_array(rgb: Image.Image) -> np.ndarray:
         encoder = Image._getencoder("RGB", "raw", "RGB")
     except (AttributeError, OSError):
         return np.array(rgb)
-    out = memoryview(array).cast("B")
+    out = array.data.cast("B")
     filled = 0
     try:
         encoder.setimage(rgb.im, (0, 0, width, height))
