@@ -48,11 +48,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD
 from benchmarks.datasets import SETS, ensure_dataset, list_images
 from threadloader import ThreadLoader
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CLASSES = 10  # benchmarks.datasets deals images into ten class folders
 Batches = Generator[tuple[Any, Any], None, None]
 
@@ -160,8 +160,8 @@ def make_loader(
         num_threads=args.threads,
         decode_threads=decode_threads,
         dtype=torch.float32,
-        mean=MEAN,
-        std=STD,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
         channels_last=True,
         transform=[RandomResizedCrop(args.size), RandomHorizontalFlip()],
     )

@@ -21,7 +21,7 @@ time alone) / images loaded meanwhile. Each is measured at every ``--switch-inte
 to drop it).
 
 Every window starts once the load is past its start: a GPU ThreadLoader's batches are counted from
-its first past the CPU start (``loaders._past_the_cpu_start`` drops the Pillow ones), so no window
+its first past the CPU start (``loaders.past_the_cpu_start`` drops the Pillow ones), so no window
 falls inside nvImageCodec's start. A window in which a load loaded nothing says so ("none in 1 s"),
 rather than 0 images/s.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 import threading
 import time
@@ -41,9 +40,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks import loaders
+from benchmarks import common, loaders, report
+from benchmarks.common import names
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
-from benchmarks.run import _names, command_line, hardware
 
 SET = "varied"
 BACKGROUNDS = ("threadloader", "decode", "spin")
@@ -116,7 +115,7 @@ def _decode(blobs: list[bytes], device: str) -> Callable[[threading.Event, Backg
     """Decoding in-memory bytes and nothing else, as a reader's decoder call would."""
 
     def on_gpu(stop: threading.Event, counter: Background) -> None:
-        nv = loaders.import_optional("nvidia.nvimgcodec")
+        nv = common.import_optional("nvidia.nvimgcodec")
         decoder = nv.Decoder()
         params = nv.DecodeParams(color_spec=nv.SRGB, sample_format=nv.I_RGB)
         stream = torch.cuda.Stream()
@@ -153,7 +152,7 @@ def _threadloader(
         )
         try:
             # The first batch is the start-up's; the stream hands the next one once the loader is past
-            # its CPU start (loaders._past_the_cpu_start), so counting from it starts the windows there.
+            # its CPU start (loaders.past_the_cpu_start), so counting from it starts the windows there.
             next(stream)
             for images, _ in stream:
                 counter.images += images.shape[0]
@@ -261,49 +260,10 @@ def _line(row: GilRow) -> str:
     )
 
 
-def _rate_cell(rate: float | None, images: int | None, seconds: float | None) -> str:
-    """An images/s cell: "—" for a load that counts no images, and an empty window said as such."""
-    if rate is None:
-        return "—"
-    if images == 0:
-        return "none in the window" if seconds is None else f"none in {seconds:.2g} s"
-    return f"{rate:,.0f}"
-
-
-def markdown(rows: Sequence[GilRow], config: dict[str, object]) -> str:
-    """One table row per measurement."""
-    header = [
-        "switch interval ms",
-        "background",
-        "ops",
-        "us/op alone",
-        "us/op beside",
-        "slowdown",
-        "load img/s alone",
-        "load img/s beside",
-        "main-thread delay us/image",
-    ]
-    lines = [
-        "Config: " + ", ".join(f"{k}={v}" for k, v in config.items()),
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    for r in rows:
-        cells = [f"{r.switch_interval_ms:g}", r.background, r.ops, f"{r.op_us_alone:.2f}"]
-        cells += [f"{r.op_us_beside:.2f}", f"{r.slowdown:.1f}x"]
-        cells += [_rate_cell(r.images_per_s_alone, r.images_alone, r.seconds_alone)]
-        cells += [_rate_cell(r.images_per_s_beside, r.images_beside, r.seconds_beside)]
-        cells += ["—" if r.delay_us_per_image is None else f"{r.delay_us_per_image:,.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.gil", description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, help="images in the varied set (default 1000; --quick 32)")
-    p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
     p.add_argument("--batch-size", type=int, help="ThreadLoader batch size (default 64; --quick 8)")
     p.add_argument("--seconds", type=float, help="length of each timed loop (default 1.0; --quick 0.3)")
     p.add_argument(
@@ -312,20 +272,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[0.005, 0.0001],
         help="sys.setswitchinterval values in seconds (default 0.005,0.0001)",
     )
-    p.add_argument("--backgrounds", type=_names(BACKGROUNDS), default=list(BACKGROUNDS))
+    p.add_argument("--backgrounds", type=names(BACKGROUNDS), default=list(BACKGROUNDS))
     p.add_argument(
-        "--engines", type=_names(("capi", "python")), default=["capi", "python"],
+        "--engines", type=names(common.ENGINES), default=list(common.ENGINES),
         help="nvImageCodec's C API, its Python API: a threadloader row each on a GPU (default both)",
     )  # fmt: skip
-    p.add_argument("--ops", type=_names(OPS), help="cpu,cuda (default: cuda too on a GPU)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--out", type=Path, help="write gil.md and gil.json here")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run")
-    args = p.parse_args(argv)
-    args.count = args.count or (32 if args.quick else 1000)
-    args.seconds = args.seconds or (0.3 if args.quick else 1.0)
-    args.batch_size = args.batch_size or (8 if args.quick else 64)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ops", type=names(OPS), help="cpu,cuda (default: cuda too on a GPU)")
+    common.add_common(p, "gil.md and gil.json")
+    args = common.fill_defaults(
+        p.parse_args(argv), {"count": (1000, 32), "seconds": (1.0, 0.3), "batch_size": (64, 8)}
+    )
     args.ops = args.ops or (list(OPS) if args.device == "cuda" else ["cpu"])
     if "cuda" in args.ops and args.device != "cuda":
         p.error("--ops cuda needs --device cuda")
@@ -339,27 +295,23 @@ def main(argv: Sequence[str] | None = None) -> list[GilRow]:
     args.root = ensure_dataset(SET, count=args.count, root=args.data_root)
     started = time.perf_counter()
     rows = measure(args)
-    config: dict[str, object] = {
-        "set": SET,
-        "count": args.count,
-        "batch_size": args.batch_size,
-        "seconds": args.seconds,
-        "device": args.device,
-        "wall_s": round(time.perf_counter() - started),
+    data = {
+        "command": common.command_line("benchmarks.gil", argv),
+        "hardware": common.hardware(args.device),
+        "config": {
+            "set": SET,
+            "count": args.count,
+            "batch_size": args.batch_size,
+            "seconds": args.seconds,
+            "device": args.device,
+            "wall_s": round(time.perf_counter() - started),
+        },
+        "rows": [asdict(r) | {"slowdown": r.slowdown} for r in rows],
     }
-    text = markdown(rows, config)
+    text = "\n".join(report.gil_tables([report.ResultFile((args.out or Path()) / "gil.json", data)]))
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gil.md").write_text(text)
-        dump = {
-            "command": command_line("benchmarks.gil", argv),
-            "hardware": hardware(args.device),
-            "config": config,
-            "rows": [asdict(r) | {"slowdown": r.slowdown} for r in rows],
-        }
-        (args.out / "gil.json").write_text(json.dumps(dump, indent=2) + "\n")
-        print(f"wrote {args.out}/gil.md, gil.json", file=sys.stderr)
+        common.write_results(args.out, "gil", text, data)
     return rows
 
 

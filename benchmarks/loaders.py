@@ -13,16 +13,17 @@ import contextlib
 import itertools
 import os
 import random
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from unittest import mock
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from threadloader._seeding import sample_generator
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, Batch, SkipRow, endless, import_optional
 from threadloader.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from threadloader.transforms.functional import Images, resize, resize_many
 from threadloader.transforms.functional import normalize as normalize_
@@ -30,7 +31,6 @@ from threadloader.transforms.functional import normalize as normalize_
 if TYPE_CHECKING:
     from nvidia import nvimgcodec
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 Files = Sequence[tuple[Path, int]]
 Size = tuple[int, int]  # (height, width)
 T = TypeVar("T")
@@ -38,32 +38,10 @@ T = TypeVar("T")
 BACKENDS = ("default", "hw", "hybrid")
 
 
-class SkipRow(Exception):
-    """A loader cannot run here (no GPU, missing package); the row is reported, not failed."""
-
-
 def _require_cuda(device: str) -> None:
     """Skip GPU-only loaders on CPU runs."""
     if device != "cuda" or not torch.cuda.is_available():
         raise SkipRow("needs a CUDA device")
-
-
-def import_optional(module: str) -> Any:
-    """Import ``module``, turning only its own absence into a skip (a broken install still fails)."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
-            raise SkipRow(f"{e.name} is not installed") from e
-        raise
-
-
-def _built(on_built: Callable[[], None] | None) -> None:
-    """Tells the caller the loader is built and not yet iterated (a start-up pause goes here)."""
-    if on_built is not None:
-        on_built()
 
 
 def endless_batches(n: int, batch_size: int) -> Iterator[list[int]]:
@@ -100,7 +78,7 @@ class Finish:
 
     def __init__(self, size: Size, *, augment: bool = False, normalize: bool = False) -> None:
         self.size = size
-        self.augment = _augmentation(size) if augment else None
+        self.augment = augmentation(size) if augment else None
         self.normalize = augment or normalize
 
     def sample(self, size: Size, generator: random.Random) -> Any:
@@ -139,13 +117,7 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), label
 
 
-#: Normalization of the ``--augment`` and ``--normalize`` rows (ImageNet's), as a ResNet-50 training
-#: pipeline does.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _augmentation(size: Size) -> Any:
+def augmentation(size: Size) -> Any:
     """Training augmentation for the ``--augment`` rows: RandomResizedCrop to ``size`` and a flip."""
     return Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
 
@@ -159,7 +131,7 @@ def _pil_augmentation(size: Size) -> Any:
     try:
         from torchvision.transforms import v2
     except ImportError:
-        ours = _augmentation(size)
+        ours = augmentation(size)
         return lambda image: ours(torch.from_numpy(np.array(image)).permute(2, 0, 1))
     return v2.Compose(
         [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()]
@@ -175,7 +147,7 @@ def pil_dataloader(
     device: str,
     augment: bool = False,
     normalize: bool = False,
-    on_built: Callable[[], None] | None = None,
+    on_built: Callable[[], None] = lambda: None,
 ) -> Generator[Batch, None, None]:
     """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking.
 
@@ -188,7 +160,7 @@ def pil_dataloader(
         multiprocessing_context="fork" if workers else None,
         pin_memory=device == "cuda",
     )
-    _built(on_built)
+    on_built()
     for images, targets in loader:
         floats = images.to(device, non_blocking=True).float().div_(255)
         if augment or normalize:  # a training pipeline normalizes; here on the GPU, after the copy
@@ -268,7 +240,7 @@ def spawn_collate_nvimgcodec(
     device: str,
     augment: bool = False,
     normalize: bool = False,
-    on_built: Callable[[], None] | None = None,
+    on_built: Callable[[], None] = lambda: None,
 ) -> Generator[Batch, None, None]:
     """Spawned workers decode on the GPU; CUDA batches reach this process through CUDA IPC."""
     _require_cuda(device)
@@ -280,7 +252,7 @@ def spawn_collate_nvimgcodec(
         multiprocessing_context="spawn",
         collate_fn=NvImgCodecCollate(size=size, augment=augment, normalize=normalize),
     )
-    _built(on_built)
+    on_built()
     for images, targets in loader:
         yield images, targets.to(device, non_blocking=True)
 
@@ -321,8 +293,7 @@ def single_decoder_ceiling(
     for idx in endless_batches(len(data), batch_size):
         streams = [nv.CodeStream(data[i]) for i in idx]
         params = [
-            finish.sample((cs.height, cs.width), sample_generator(0, 0, i))
-            for cs, i in zip(streams, idx, strict=True)
+            finish.sample((cs.height, cs.width), random.Random(i)) for cs, i in zip(streams, idx, strict=True)
         ]
         if crop == "region":
             assert finish.augment is not None
@@ -347,7 +318,7 @@ def torchvision_gpu(
     for idx in endless_batches(len(encoded), batch_size):
         images = io.decode_jpeg([encoded[i] for i in idx], device=device, mode=io.ImageReadMode.RGB)
         params = [
-            finish.sample((im.shape[-2], im.shape[-1]), sample_generator(0, 0, i))
+            finish.sample((im.shape[-2], im.shape[-1]), random.Random(i))
             for im, i in zip(images, idx, strict=True)
         ]
         yield finish(images, params), targets[idx]
@@ -365,7 +336,7 @@ def dali(
     device: str,
     augment: bool = False,
     normalize: bool = False,
-    on_built: Callable[[], None] | None = None,
+    on_built: Callable[[], None] = lambda: None,
 ) -> Generator[Batch, None, None]:
     """DALI's own pipeline over the directory, as its ResNet-50 examples build it.
 
@@ -416,7 +387,7 @@ def dali(
 
     pipe = pipeline()
     pipe.build()
-    _built(on_built)
+    on_built()
     # No reader_name: the file reader wraps around, so the iterator is endless like the other rows'.
     for (outputs,) in DALIGenericIterator([pipe], ["images", "labels"]):
         yield outputs["images"], outputs["labels"].reshape(-1).long().to(device, non_blocking=True)
@@ -425,7 +396,7 @@ def dali(
 # --- threadloader --------------------------------------------------------------------------------
 
 
-def _past_the_cpu_start(loader: Any, batches: Iterator[T], *, batch_size: int) -> Generator[T, None, None]:
+def past_the_cpu_start(loader: Any, batches: Iterator[T], *, batch_size: int) -> Generator[T, None, None]:
     """``batches``, those a fresh process's GPU loader decodes with Pillow dropped after the first.
 
     While nvImageCodec starts (seconds, once per process), a GPU ThreadLoader's readers decode with
@@ -446,43 +417,11 @@ def _past_the_cpu_start(loader: Any, batches: Iterator[T], *, batch_size: int) -
     yield from batches
 
 
-def _epochs(loader: Iterable[T]) -> Generator[T, None, None]:
-    """Cycle an epoch-at-a-time iterable forever, refusing to spin on an empty one."""
-    while True:
-        count = 0
-        for batch in loader:
-            count += 1
-            yield batch
-        if not count:
-            raise RuntimeError("loader produced an empty epoch")
-
-
-THREADLOADER_ROW_ARGUMENTS = frozenset(
-    {"batch_size", "drop_last", "num_threads", "size", "dtype", "mean", "std", "device", "transform"}
-    | {"channels_last", "region_decode"}
-)
-"""ThreadLoader's arguments that the rows set themselves: what makes rows the same work, or differ."""
-
-
-CAPI_ENV = "THREADLOADER_CAPI"
-"""The documented switch between nvImageCodec's C API (``1``) and its Python API (``0``)."""
-
-
-@contextlib.contextmanager
-def with_engine(engine: str | None) -> Iterator[None]:
+def with_engine(engine: str | None) -> contextlib.AbstractContextManager[Any]:
     """``THREADLOADER_CAPI`` set for ``engine`` while a loader is built (it is read then), then restored."""
     if engine is None:
-        yield
-        return
-    previous = os.environ.get(CAPI_ENV)
-    os.environ[CAPI_ENV] = "1" if engine == "capi" else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[CAPI_ENV]
-        else:
-            os.environ[CAPI_ENV] = previous
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {"THREADLOADER_CAPI": "1" if engine == "capi" else "0"})
 
 
 def threadloader(
@@ -498,14 +437,14 @@ def threadloader(
     channels_last: bool = False,
     options: Mapping[str, Any] | None = None,
     engine: str | None = None,
-    on_built: Callable[[], None] | None = None,
+    on_built: Callable[[], None] = lambda: None,
 ) -> Generator[Batch, None, None]:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
     With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``
     is off (then whole images are decoded and cropped: the comparison row). ``normalize``: ImageNet's
     mean and std. ``options``: more keyword arguments for ``ThreadLoader`` (``--threadloader-options``),
-    none of :data:`THREADLOADER_ROW_ARGUMENTS`. ``engine``: ``"capi"`` or ``"python"``, nvImageCodec's
+    none of ``benchmarks.common.ROW_ARGUMENTS``. ``engine``: ``"capi"`` or ``"python"``, nvImageCodec's
     C API or its Python API (``THREADLOADER_CAPI``, as a user chooses it); ``None``: the default.
     """
     module = import_optional("threadloader")
@@ -522,11 +461,11 @@ def threadloader(
             mean=IMAGENET_MEAN if augment or normalize else None,
             std=IMAGENET_STD if augment or normalize else None,
             device=device,
-            transform=_augmentation(size) if augment else None,
+            transform=augmentation(size) if augment else None,
             channels_last=channels_last,
             region_decode=region_decode,
         ) as loader,
     ):
-        _built(on_built)
-        for images, targets in _past_the_cpu_start(loader, _epochs(loader), batch_size=batch_size):
+        on_built()
+        for images, targets in past_the_cpu_start(loader, endless(loader), batch_size=batch_size):
             yield images, targets.to(device, non_blocking=True)  # targets come back on the CPU

@@ -34,9 +34,10 @@ from typing import Any, cast
 
 import torch
 
+from benchmarks import common
+from benchmarks.common import Batch
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
-from benchmarks.loaders import Batch, _epochs
-from benchmarks.run import Case, hardware, measure
+from benchmarks.run import Case, measure
 
 SOURCES = (
     "paths",
@@ -49,7 +50,7 @@ SOURCES = (
     "tar_memory",
 )
 
-_DEFAULTS = {  # option: (full run, --quick)
+DEFAULTS = {  # option: (full run, --quick)
     "count": (2000, 64),
     "batches": (100, 3),
     "warmup": (10, 1),
@@ -155,16 +156,8 @@ def threadloader_over(
     ) as loader:
         if isinstance(loader.source, TarShards):
             index_seconds["index_s"] = loader.source.index_seconds
-        for images, targets in _epochs(loader):  # with ``size`` set, images come stacked in one tensor
+        for images, targets in common.endless(loader):  # with ``size`` set, images come stacked in one tensor
             yield cast(torch.Tensor, images), targets.to(device, non_blocking=True)
-
-
-def _sync_step(device: str) -> Callable[[int], Callable[[Batch], None]]:
-    def step(_batch: Batch) -> None:
-        if device == "cuda":
-            torch.cuda.current_stream().synchronize()
-
-    return lambda _batch_size: step
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -224,21 +217,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="runs per source, interleaved (default 3)")
     p.add_argument("--shard-size", type=int, help="samples per tar shard (default 250)")
     p.add_argument("--threads", type=int, help="reader threads (default: the library's)")
-    p.add_argument("--only", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    p.add_argument("--only", type=common.names(SOURCES), default=list(SOURCES), help=", ".join(SOURCES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--out", type=Path, help="write the JSON results to this file")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (64 images, 3 batches, 1 repeat)")
-    args = p.parse_args(argv)
-    for name, (full, quick) in _DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.only = [name for name in args.only.split(",") if name]
-    unknown = set(args.only) - set(SOURCES)
-    if unknown:
-        p.error(f"unknown sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
+    common.add_common(p, "the JSON results (a file)")
+    args = common.fill_defaults(p.parse_args(argv), DEFAULTS)
     return args
 
 
@@ -247,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     root = ensure_dataset("fixed", count=args.count, root=args.data_root, seed=args.seed)
     files = list_images(root)
-    for path, _ in files:  # warm the page cache so the first row does not pay for it
-        path.read_bytes()
+    common.warm_page_cache(files)
     makers = source_makers(root, files, args.shard_size)
     size = OUTPUT_SIZE["fixed"]
     rows: list[dict[str, Any]] = []
@@ -270,19 +251,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 ),
             )
             print(f"[{repeat + 1}/{args.repeats}] {source} ...", file=sys.stderr, flush=True)
-            row = measure(
-                case,
-                device=args.device,
-                warmup=args.warmup,
-                batches=args.batches,
-                make_step=_sync_step(args.device),
-            )
+            row = measure(case, device=args.device, warmup=args.warmup, batches=args.batches)
             rows.append({"source": source, "repeat": repeat} | asdict(row) | extra)
             done = f"{row.images_per_s:,.0f} img/s" if row.status == "ok" else f"{row.status}: {row.reason}"
             print(f"    {done}", file=sys.stderr, flush=True)
     summary = summarize(rows)
     result = {
-        "hardware": hardware(args.device),
+        "hardware": common.hardware(args.device),
         "config": {
             "set": "fixed",
             "count": args.count,

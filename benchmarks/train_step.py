@@ -9,24 +9,13 @@ sync of the current stream, as a loop that logs its loss each step would.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from benchmarks.loaders import Batch, SkipRow, import_optional
-
-Step = Callable[[Batch], None]
-"""What the consumer does with each batch; it must return only once the batch is consumed."""
+from benchmarks.common import Batch, SkipRow, Step, import_optional, sync
 
 KINDS = ("eager", "graphed")
 
 CLASSES = 1000
-
-
-def sync(device: str) -> None:
-    """Wait until the work queued on the current stream is done."""
-    if device == "cuda":
-        torch.cuda.current_stream().synchronize()
 
 
 class TinyNet(torch.nn.Sequential):

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -38,29 +35,16 @@ from typing import Any, TypedDict
 
 import torch
 
-from benchmarks import loaders, timeline
+from benchmarks import common, loaders, report, timeline
+from benchmarks.common import Batch, DeviceMemory, SkipRow, Step, names, record_failure
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
-from benchmarks.loaders import Batch, SkipRow
-from benchmarks.report import can_chart
-from benchmarks.run import (
-    DeviceMemory,
-    _installed,
-    _names,
-    _release,
-    _take,
-    command_line,
-    hardware,
-    record_failure,
-    threadloader_options,
-)
-from benchmarks.train_step import KINDS, Step, make_step, model_name, random_batch
+from benchmarks.train_step import KINDS, make_step, model_name, random_batch
 
 PIPELINES = ("resize", "augment")
 LOADERS = ("fixed_input", "threadloader", "dali", "spawn_collate_nvimgcodec", "pil_dataloader")
-PRIORITIES = ("high", "default")
 SET = "varied"
 
-_DEFAULTS = {  # option: (full run, --quick)
+DEFAULTS = {  # option: (full run, --quick)
     "count": (1000, 32),
     "batch_size": (64, 8),
     "workers": (8, 2),
@@ -79,20 +63,13 @@ class RowSpec:
     kind: str
     loader: str
     pipeline: str = "-"  # "-" for the fixed input, which has no pipeline
-    priority: str = "high"  # ThreadLoader's reader streams: "high" (the library's) or "default"
     engine: str = ""  # ThreadLoader's: "capi" (nvImageCodec's C API) or "python" (its Python API)
     options: dict[str, Any] = field(default_factory=dict)  # more ThreadLoader arguments (a variant row)
 
     @property
     def name(self) -> str:
-        suffix = ", default stream priority" if self.priority == "default" else ""
         engine = f"[{self.engine}]" if self.engine else ""
-        return f"{self.loader}{engine}{suffix}{option_label(self.options)}"
-
-
-def option_label(options: dict[str, Any]) -> str:
-    """``" backend='split', ..."``: how a variant row's extra arguments are named ("" for none)."""
-    return "".join(f" {key}={value!r}" for key, value in options.items())
+        return f"{self.loader}{engine}{common.option_label(self.options)}"
 
 
 @dataclass
@@ -177,16 +154,11 @@ def _progress(message: str) -> None:
 
 def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
     """Runs one row in this process; never raises for a skipped or failing loader."""
-    from threadloader import _handoff  # the benchmark's switch; the library has no option for it
-
-    _handoff._HIGH_PRIORITY = spec.priority == "high"
     row, device, size = TrainingRow(spec, batch_size=args.batch_size), args.device, OUTPUT_SIZE[SET]
     stream: Generator[Batch, None, None] | None = None
     memory = DeviceMemory(device)
     try:
-        # Release before building the step, never after: empty_cache() also drops cuBLAS's workspaces,
-        # whose addresses a captured graph has baked in (its next replay would fault).
-        _release(device)
+        common.release(device)  # before building the step, never after (see release)
         step = make_step(device=device, batch_size=args.batch_size, size=size, kind=spec.kind)
         # Baseline: one more step on its own input, its peak the training's own.
         baseline = next(fixed_input(size=size, batch_size=args.batch_size, device=device))
@@ -211,7 +183,7 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
             row.startup_s = row.build_s + row.first_batch_s
         else:
             row.startup_s = ended - started
-        _take(stream, step, args.warmup)
+        common.take(stream, step, args.warmup)
         _progress(f"started in {row.startup_s:.1f} s, warmed up")
         if args.profile:
             _profile(row, stream, step, args)
@@ -233,7 +205,7 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
 
 def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int) -> None:
     started = time.perf_counter()
-    images, waited = _take(stream, step, steps)
+    images, waited = common.take(stream, step, steps)
     wall = time.perf_counter() - started
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
@@ -273,20 +245,11 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
                 engines = args.engines if loader == "threadloader" and args.device == "cuda" else [""]
                 for engine in engines:
                     specs.append(RowSpec(kind, loader, pipeline, engine=engine))
-                    if loader == "threadloader" and args.priority == "both":
-                        specs.append(RowSpec(kind, loader, pipeline, priority="default", engine=engine))
                     if loader == "threadloader":
                         specs.extend(
                             RowSpec(kind, loader, pipeline, engine=engine, options=options)
                             for options in args.threadloader_variant or ()
                         )
-    if args.priority == "default":
-        specs = [
-            RowSpec(s.kind, s.loader, s.pipeline, "default", s.engine, s.options)
-            if s.loader == "threadloader"
-            else s
-            for s in specs
-        ]
     return specs
 
 
@@ -296,7 +259,7 @@ def _skip_reason(spec: RowSpec, device: str) -> str | None:
         return "CUDA graphs need a CUDA device"
     if device != "cuda" and spec.loader == "spawn_collate_nvimgcodec":
         return "needs a CUDA device"
-    if spec.loader == "dali" and not _installed("nvidia.dali"):
+    if spec.loader == "dali" and not common.installed("nvidia.dali"):
         return "nvidia.dali is not installed"
     return None
 
@@ -308,22 +271,11 @@ def run_row(spec: RowSpec, args: argparse.Namespace, argv: Sequence[str]) -> Tra
         return TrainingRow(spec, status="skipped", reason=reason, batch_size=args.batch_size)
     command = [sys.executable, "-m", "benchmarks.training", *argv, "--row", json.dumps(asdict(spec))]
     started = time.perf_counter()
-    # stderr passes through: the row's progress and any traceback appear as they happen. A session of
-    # its own, so a row that hangs is stopped with its DataLoader workers.
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True) as child:
-        try:
-            out, _ = child.communicate(timeout=args.row_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.communicate()
-            out = ""
-    lines = out.strip().splitlines()
-    if child.returncode == 0 and lines:
-        row = TrainingRow.from_json(json.loads(lines[-1]))
-    elif out == "" and child.returncode == -signal.SIGKILL:
-        row = TrainingRow(spec, status="failed", reason=f"stopped after {args.row_timeout:.0f} s")
-    else:
-        row = TrainingRow(spec, status="failed", reason=f"row process exited with {child.returncode}")
+    try:
+        row = TrainingRow.from_json(common.run_child(command, timeout=args.row_timeout))
+    except common.RowProcessError as e:
+        row = TrainingRow(spec, batch_size=args.batch_size)
+        record_failure(row, e)
     row.row_s = time.perf_counter() - started
     return row
 
@@ -335,10 +287,6 @@ def ratio(row: TrainingRow, rows: Sequence[TrainingRow]) -> float | None:
     return ours / theirs if ours is not None and theirs else None
 
 
-def _num(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def _model_label(device: str) -> str:
     try:
         return model_name(device)
@@ -346,116 +294,25 @@ def _model_label(device: str) -> str:
         return f"none ({e})"
 
 
-def markdown(rows: Sequence[TrainingRow], config: dict[str, object], info: dict[str, object]) -> str:
-    """The report: hardware and config lines, then one table row per measured row."""
-    header = [
-        "step",
-        "pipeline",
-        "loader",
-        "img/s (median)",
-        "min-max",
-        "ms/step",
-        "vs fixed input",
-        "data wait",
-        "extra GPU MB (torch peak)",
-        "extra GPU MB (device)",
-        "startup s",
-        "build s",
-        "first batch s",
-        "note",
-    ]
-    lines = [
-        "Hardware: " + ", ".join(f"{k} {v}" for k, v in info.items()),
-        "",
-        "Config: " + ", ".join(f"{k}={v}" for k, v in config.items()),
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    for row in rows:
-        speeds = row.images_per_s
-        spread = f"{min(speeds):,.0f}-{max(speeds):,.0f}" if speeds else "—"
-        share = row.median(row.data_wait_frac)
-        relative = ratio(row, rows)
-        cells = [
-            row.spec.kind,
-            row.spec.pipeline,
-            row.spec.name,
-            _num(row.median(speeds), ",.0f"),
-            spread,
-            _num(row.median(row.ms_per_step), ".1f"),
-            _num(relative, ".2f") + ("x" if relative is not None else ""),
-            _num(None if share is None else 100 * share, ".0f") + ("%" if share is not None else ""),
-            _num(row.extra_torch_peak_mb, ",.0f"),
-            _num(row.extra_device_mb, ",.0f"),
-            _num(row.startup_s, ".1f"),
-            _num(row.build_s, ".2f"),
-            _num(row.first_batch_s, ".2f"),
-            "" if row.status == "ok" else f"{row.status}: {row.reason}".replace("|", "/"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def chart(rows: Sequence[TrainingRow], path: Path, title: str) -> None:
-    """One panel per step kind: median img/s per row with its min-max, the fixed input as a line."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    kinds = [k for k in KINDS if any(r.spec.kind == k and r.status == "ok" for r in rows)] or ["eager"]
-    most = max(sum(r.spec.kind == k for r in rows) for k in kinds)
-    fig = Figure(figsize=(7 * len(kinds), 1.5 + 0.4 * most), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
-    for ax, kind in zip(axes, kinds, strict=True):
-        ok = [r for r in rows if r.spec.kind == kind and r.status == "ok" and r.spec.loader != "fixed_input"]
-        medians = [r.median(r.images_per_s) or 0.0 for r in ok]
-        errors = [
-            [m - min(r.images_per_s) for m, r in zip(medians, ok, strict=True)],
-            [max(r.images_per_s) - m for m, r in zip(medians, ok, strict=True)],
-        ]
-        colors = ["tab:blue" if r.spec.pipeline == "resize" else "tab:green" for r in ok]
-        bars = ax.barh([f"{r.spec.pipeline}: {r.spec.name}" for r in ok], medians, xerr=errors, color=colors)
-        ax.bar_label(bars, fmt="{:,.0f}", padding=3, fontsize=8)
-        ceiling = next((r for r in rows if r.spec.kind == kind and r.spec.loader == "fixed_input"), None)
-        if ceiling is not None and ceiling.images_per_s:
-            value = ceiling.median(ceiling.images_per_s) or 0.0
-            ax.axvline(value, color="black", linestyle="--", label=f"fixed input {value:,.0f}")
-            ax.axvline(0.95 * value, color="gray", linestyle=":", label="0.95x fixed input")
-            ax.legend(loc="lower right", fontsize=8)
-        ax.set_title(f"{kind} step: images/s (median, min-max)")
-        ax.invert_yaxis()
-        ax.margins(x=0.15)
-    fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options; unset sizes take the full-run or ``--quick`` default."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, help="images in the varied set (default 1000)")
-    p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
     p.add_argument("--batch-size", type=int, help="default 64")
     p.add_argument("--workers", type=int, help="DataLoader workers (default 8)")
     p.add_argument("--warmup", type=int, help="steps before timing, the first included (default 10)")
     p.add_argument("--steps", type=int, help="steps per timed window (default 20)")
     p.add_argument("--windows", type=int, help="timed windows per row; the median is reported (default 3)")
-    p.add_argument("--kinds", type=_names(KINDS), default=list(KINDS), help="eager,graphed")
-    p.add_argument("--pipelines", type=_names(PIPELINES), default=list(PIPELINES), help="resize,augment")
-    p.add_argument("--loaders", type=_names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
+    p.add_argument("--kinds", type=names(KINDS), default=list(KINDS), help="eager,graphed")
+    p.add_argument("--pipelines", type=names(PIPELINES), default=list(PIPELINES), help="resize,augment")
+    p.add_argument("--loaders", type=names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
     p.add_argument(
-        "--engines", type=_names(("capi", "python")), default=["capi", "python"],
+        "--engines", type=names(common.ENGINES), default=list(common.ENGINES),
         help="ThreadLoader rows on a GPU: nvImageCodec's C API, its Python API (default both)",
     )  # fmt: skip
     p.add_argument(
-        "--priority",
-        choices=(*PRIORITIES, "both"),
-        default="high",
-        help="ThreadLoader's reader stream priority; both: a row for each",
-    )
-    p.add_argument(
         "--threadloader-variant",
-        type=threadloader_options,
+        type=common.threadloader_options,
         action="append",
         metavar="NAME=VALUE,...",
         help="after each ThreadLoader row, one more with these arguments (repeatable), as "
@@ -467,9 +324,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         help="seconds between building a loader and its first batch, as a script's set-up (default 1)",
     )
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
-    p.add_argument("--out", type=Path, help="write training.md, training.json and training.png here")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    common.add_common(p, "training.md, training.json and training.png")
     p.add_argument(
         "--timeline",
         action="store_true",
@@ -477,11 +332,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print it as JSON
     p.add_argument("--profile", help=argparse.SUPPRESS)  # internal: profile the row, name its files
-    args = p.parse_args(argv)
-    for name, (full, quick) in _DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args = common.fill_defaults(p.parse_args(argv), DEFAULTS)
     if min(args.steps, args.windows) < 1 or args.warmup < 0:
         p.error(
             f"need --steps and --windows >= 1 and --warmup >= 0, got {args.steps}, {args.windows}, "
@@ -490,6 +341,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.timeline and args.out is None:
         p.error("--timeline writes a chrome trace: give --out DIR")
     return args
+
+
+def write(data: dict[str, Any], out: Path | None) -> str:
+    """The run's page (its training and memory tables), and with ``out`` training.md, .json and .png."""
+    result = report.ResultFile((out or Path()) / "training.json", data)
+    text = "\n".join(report.training_table([result]) + report.memory_tables([], [result]))
+    if out is not None:
+        common.write_results(out, "training", text, data)
+        if common.can_chart():
+            report.training_chart([result])(out / "training.png")
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
@@ -501,15 +363,11 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
         row = measure(RowSpec(**json.loads(args.row)), args)
         print(json.dumps(asdict(row)))
         return [row]
-    for path, _ in list_images(args.root):  # warm the page cache once for every row
-        path.read_bytes()
+    common.warm_page_cache(list_images(args.root))
     if args.timeline:
-        spec = RowSpec(
-            args.kinds[0], "threadloader", args.pipelines[0], args.priority.replace("both", "high")
-        )
-        name = f"{spec.kind}-{spec.pipeline}-{spec.priority}"
+        spec = RowSpec(args.kinds[0], "threadloader", args.pipelines[0])
         print(f"timeline: {spec.kind} step, {spec.pipeline}, {spec.name}", file=sys.stderr, flush=True)
-        return [run_row(spec, args, [*argv, "--profile", name])]
+        return [run_row(spec, args, [*argv, "--profile", f"{spec.kind}-{spec.pipeline}"])]
     specs, rows, started = plan(args), [], time.perf_counter()
     for i, spec in enumerate(specs, 1):
         elapsed = time.perf_counter() - started
@@ -536,26 +394,13 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
         "device": args.device,
         "wall_s": round(time.perf_counter() - started),
     }
-    info = hardware(args.device)
-    text = markdown(rows, config, info)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "training.md").write_text(text)
-        dump = {
-            "command": command_line("benchmarks.training", argv),
-            "hardware": info,
-            "config": config,
-            "rows": [asdict(r) | {"ratio": ratio(r, rows)} for r in rows],
-        }
-        (args.out / "training.json").write_text(json.dumps(dump, indent=2) + "\n")
-        if can_chart():
-            chart(
-                rows,
-                args.out / "training.png",
-                f"{config['model']} b{args.batch_size} on {info.get('gpu', 'cpu')}",
-            )
-        print(f"wrote {args.out}/training.md, .json and any chart", file=sys.stderr)
+    data = {
+        "command": common.command_line("benchmarks.training", argv),
+        "hardware": common.hardware(args.device),
+        "config": config,
+        "rows": [asdict(r) | {"ratio": ratio(r, rows)} for r in rows],
+    }
+    print(write(data, args.out))
     return rows
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Generator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from benchmarks import gil
+from benchmarks import gil, report
 
 from .conftest import encode, photo
 
@@ -23,7 +24,7 @@ WINDOW_S = 0.3
 
 def slow_start(root: Path, **_: Any) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
     """A stream like a fresh GPU loader's: the first batch, then nothing while the CPU start drains
-    (``loaders._past_the_cpu_start``), then steady batches."""
+    (``loaders.past_the_cpu_start``), then steady batches."""
     batch = torch.zeros(BATCH, 3, 8, 8), torch.zeros(BATCH, dtype=torch.long)
     yield batch
     time.sleep(START_S)
@@ -69,6 +70,10 @@ def test_an_empty_window_is_said_not_reported_as_zero() -> None:
         seconds_alone=1.0,
         seconds_beside=1.0,
     )
-    table = gil.markdown([row], {})
-    assert "| 2.0x | none in 1 s | 500 | 10 |" in table, table
+    table = "\n".join(
+        report.gil_tables(
+            [report.ResultFile(Path("gil.json"), {"rows": [asdict(row) | {"slowdown": row.slowdown}]})]
+        )
+    )
+    assert "| 2.0x | none in 1 s | 10 |" in table, table
     assert "no image loaded in its alone window" in gil._line(row)

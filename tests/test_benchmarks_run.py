@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import run
-from benchmarks.report import Report, Result, Row, markdown, to_json
+from benchmarks import common, run
+from benchmarks.run import Result, Row
 
 from .conftest import run_benchmark
 
@@ -31,9 +31,9 @@ def test_each_repeat_of_a_row_runs_in_a_fresh_child_process(
     _needs_data_set()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     # This test's process is the parent: a row measured here would carry this pid.
-    report = run.main([*QUICK_CPU, "--repeats", "2", "--data-root", str(tmp_path / "data")])
-    assert isinstance(report, Report)
-    (result,) = report.rows
+    results = run.main([*QUICK_CPU, "--repeats", "2", "--data-root", str(tmp_path / "data")])
+    assert isinstance(results, list)
+    (result,) = results
     assert [r.status for r in result.repeats] == ["ok", "ok"], result.repeats
     pids = [r.pid for r in result.repeats]
     assert None not in pids and len(set(pids)) == 2 and os.getpid() not in pids, pids
@@ -54,22 +54,22 @@ def test_median_and_range_over_the_repeats_that_ran() -> None:
         _row(images_per_s=200.0, startup_s=0.2, extra_gpu_mb=None),
     ]
     base = Result("p", "pil_dataloader", 8, [_row(images_per_s=v) for v in (10.0, 40.0, 50.0, 1000.0)])
-    report = Report(hardware={}, config={"mode": "throughput"}, rows=[result, base])
+    data = run.results_json([result, base], command="", hardware={}, config={"mode": "throughput"})
 
     speed = result.spread("images_per_s")
     assert (speed.median, speed.low, speed.high) == (200.0, 100.0, 300.0)  # type: ignore[union-attr]
     assert result.median("startup_s") == 0.2
     assert result.spread("extra_gpu_mb") is None  # measured by no repeat (a CPU run)
     assert base.median("images_per_s") == 45.0  # an even count: the mean of the middle two
-    assert report.ratio(result) == pytest.approx(200.0 / 45.0)
     assert (
         result.status == "ok" and result.reason == "1 of 4 repeats failed: RowProcessError: killed by SIGSEGV"
     )
 
-    table = markdown(report)
+    table = run.write(data, None)
     assert "| x b=8 | 200 (100-300) |" in table and "| 0.20 (0.10-0.50) |" in table
-    (row, _) = json.loads(to_json(report))["rows"]
+    (row, _) = json.loads(json.dumps(data))["rows"]
     assert (row["images_per_s"], row["min"]["images_per_s"], row["max"]["images_per_s"]) == (200, 100, 300)
+    assert row["ratio_vs_pil"] == pytest.approx(200.0 / 45.0)
     assert [r["images_per_s"] for r in row["repeats"]] == [300, None, 100, 200]
 
 
@@ -86,22 +86,22 @@ def _python(code: str) -> list[str]:
         ("print('no json here')", "printed no row"),
     ],
 )
-def test_a_child_that_crashes_hangs_or_prints_no_row_becomes_a_failed_row(code: str, reason: str) -> None:
-    row = run.run_child(_python(code), _row(), timeout=1)
-    assert row.status == "failed" and reason in row.reason, row
+def test_a_child_that_crashes_hangs_or_prints_no_row_fails_with_the_reason(code: str, reason: str) -> None:
+    with pytest.raises(common.RowProcessError, match=reason):
+        common.run_child(_python(code), timeout=1)
 
 
 def test_a_child_that_prints_its_row_gives_that_row() -> None:
     printed = _row(images_per_s=123.0, pid=42)
     code = f"print('progress'); print({json.dumps(json.dumps(asdict(printed)))})"
-    assert run.run_child(_python(code), _row(), timeout=30) == printed
+    assert Row(**common.run_child(_python(code), timeout=30)) == printed
 
 
 def test_threadloader_options_are_parsed_as_literals_or_strings() -> None:
-    parsed = run.threadloader_options("gpu_decoders=2, backend=split,pair=(1, 2),x=None,y=0.5")
+    parsed = common.threadloader_options("gpu_decoders=2, backend=split,pair=(1, 2),x=None,y=0.5")
     assert parsed == {"gpu_decoders": 2, "backend": "split", "pair": (1, 2), "x": None, "y": 0.5}
     with pytest.raises(ArgumentTypeError, match="num_threads is set by the rows"):
-        run.threadloader_options("num_threads=4")
+        common.threadloader_options("num_threads=4")
 
 
 def test_threadloader_options_reach_every_threadloader_row(
@@ -145,17 +145,10 @@ def test_threadloader_options_reach_the_row_processes(tmp_path: Path) -> None:
 
 def test_a_run_without_matplotlib_keeps_its_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Python with no matplotlib build (free-threaded 3.13t) writes the tables and JSON, no chart."""
-    from benchmarks import report as report_module
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes ``import matplotlib`` raise ImportError
     result = Result("x b=8", "threadloader", 8, [_row(images_per_s=100.0)])
-    report = Report(hardware={}, config={"mode": "throughput"}, rows=[result])
-    written = report_module.write(report, tmp_path)
-    assert (
-        sorted(p.name for p in tmp_path.iterdir())
-        == ["report.json", "report.md"]
-        == sorted(p.name for p in written)
-    )
+    run.write(run.results_json([result], hardware={}, config={"mode": "throughput"}), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
     assert json.loads((tmp_path / "report.json").read_text())["rows"][0]["name"] == "x b=8"
 
 
@@ -190,5 +183,5 @@ def test_threadloader_rows_time_batches_past_the_cpu_start(started: list[int], k
     from benchmarks import loaders
 
     loader = _Starting(started)
-    batches = loaders._past_the_cpu_start(loader, loader.batches(), batch_size=4)
+    batches = loaders.past_the_cpu_start(loader, loader.batches(), batch_size=4)
     assert [next(batches) for _ in range(4)] == kept

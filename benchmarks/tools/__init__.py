@@ -1,6 +1,7 @@
-"""One-off instruments behind design decisions: run them to re-check a decision, not to compare loaders.
+"""Instruments of the stage budget: where a loader's time goes, alone and beside a training step.
 
-The entry points users run (``benchmarks.run``, ``training``, ``gil``, ``sources``, ``ddp_train``) stay
-in ``benchmarks/``; these reach into the library's private modules where they must, to time or count
-its stages.
+``stages`` (a ThreadLoader's host seconds per stage; nvImageCodec alone on whole images and regions),
+``beside_step`` (the stages beside a training step and alone) and ``decoders_beside`` (nvImageCodec's
+Decoders alone and beside a graphed step). Run them to re-check a decision, not to compare loaders;
+they use the library's public API.
 """

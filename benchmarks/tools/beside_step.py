@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset
-from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD, _augmentation
+from benchmarks.loaders import augmentation
 from benchmarks.train_step import make_step, random_batch
-from threadloader import ThreadLoader
-from threadloader._stats import LoaderStats
+from threadloader import LoaderStats, ThreadLoader
 
 #: Batches taken untimed before the loader is timed alone: more than its readers hold ready by default.
 _DRAIN = 8
@@ -54,11 +54,6 @@ def _per_batch(before: LoaderStats, after: LoaderStats, batches: int) -> dict[st
         stage: round((after.stage_seconds[stage] - before.stage_seconds[stage]) / batches * 1e3, 2)
         for stage in before.stage_seconds
     }
-
-
-def _endless(loader: ThreadLoader) -> Iterator[tuple[Any, Any]]:
-    while True:
-        yield from loader
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,11 +92,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "std": IMAGENET_STD,
         "device": "cuda",
         "channels_last": True,
-        "transform": _augmentation(size) if args.augment else None,
+        "transform": augmentation(size) if args.augment else None,
         **json.loads(args.options),
     }
     with ThreadLoader(root, **options) as loader:
-        batches = _endless(loader)
+        batches: Iterator[tuple[Any, Any]] = endless(loader)  # sized images: one tensor a batch
         for _ in range(15):
             images, targets = next(batches)
             run_step((images, targets.cuda()))

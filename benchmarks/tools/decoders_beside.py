@@ -4,8 +4,8 @@ Usage: ``python -m benchmarks.tools.decoders_beside [--sets varied,fixed] [--cou
 [--configs 'all;HYBRID_CPU_GPU,HYBRID_CPU_GPU;...'] [--chunks 32,64] [--no-beside] [--out FILE]``.
 Needs a CUDA device.
 
-Each configuration is a list of Decoders, one thread each, with their backends as in
-``benchmarks.tools.engines`` (``all``, ``split-F``, or a backend kind's name), pulling chunks of
+Each configuration is a list of Decoders, one thread each, with their backends (:func:`backends`:
+``all``, ``split-F``, ``adaptive-F``, or a backend kind's name), pulling chunks of
 ``--chunks`` images from one shared queue of in-memory JPEGs (two passes over the set); images the JPEG
 engine (``HW_GPU_ONLY``) refuses, progressive and grayscale ones, go back on the queue for the other
 threads. Images per second over the whole run, first alone, then (four passes) while the main thread
@@ -27,13 +27,32 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import hardware
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
-from benchmarks.run import hardware
-from benchmarks.tools.engines import _backends
 from benchmarks.train_step import make_step, random_batch
 
 #: The backend kind whose refusals go back on the queue.
 ENGINE = "HW_GPU_ONLY"
+
+
+def backends(nv: Any, spec: str) -> list[Any] | None:
+    """The backends of an nvImageCodec Decoder, by name.
+
+    ``all``: nvImageCodec's defaults, every backend (the library's ``backend="all"``); ``split-F``: the
+    hardware engine takes a fraction F of each batch (fixed), the CUDA and hybrid decoders the rest;
+    ``adaptive-F``: the same, balanced by nvImageCodec to minimize idle time; or one backend kind's name.
+    """
+    if spec == "all":
+        return None
+    policy_of = {"split": nv.LoadHintPolicy.FIXED, "adaptive": nv.LoadHintPolicy.ADAPTIVE_MINIMIZE_IDLE_TIME}
+    kind, _, share = spec.partition("-")
+    if kind in policy_of:
+        return [
+            nv.Backend(nv.BackendKind.HW_GPU_ONLY, load_hint=float(share), load_hint_policy=policy_of[kind]),
+            nv.Backend(nv.BackendKind.GPU_ONLY, load_hint=1.0),
+            nv.Backend(nv.BackendKind.HYBRID_CPU_GPU, load_hint=1.0),
+        ]
+    return [nv.Backend(getattr(nv.BackendKind, kind))]
 
 
 class _Queue:
@@ -147,7 +166,7 @@ def rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 nv.Decoder(
                     device_id=0,
                     max_num_cpu_threads=max(2, args.cpu // sharing),
-                    backends=_backends(nv, k),
+                    backends=backends(nv, k),
                     options=args.options,
                 )
                 for k in kinds

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import time
 from collections.abc import Sequence
 
 import torch
 
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless, sync
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
-from benchmarks.loaders import IMAGENET_MEAN, IMAGENET_STD
 from threadloader import ThreadLoader
-from threadloader._seeding import sample_generator
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 
@@ -47,37 +47,21 @@ def loader_row(
         region_decode=region,
         **options,
     ) as loader:
-        epoch = iter(loader)
-
-        def take(count: int) -> int:
-            nonlocal epoch
-            seen = 0
-            while seen < count:
-                try:
-                    next(epoch)
-                except StopIteration:
-                    epoch = iter(loader)
-                    continue
-                seen += 1
-            return seen
-
-        take(10)
-        _sync()
+        stream, device = endless(loader), loader.device.type
+        for _ in range(10):
+            next(stream)
+        sync(device)
         before, started = loader.stats(), time.perf_counter()
-        images = take(batches) * 32
-        _sync()
-        seconds, after = time.perf_counter() - started, loader.stats()
+        for _ in range(batches):
+            next(stream)
+        sync(device)
+        images, seconds, after = batches * 32, time.perf_counter() - started, loader.stats()
     stages = {k: round(after.stage_seconds[k] - before.stage_seconds[k], 2) for k in after.stage_seconds}
     return (
         f"augment={augment} region={region} threads={threads or 'default'}: {images / seconds:,.0f} img/s, "
         f"region_decodes {after.region_decodes - before.region_decodes}, "
         f"cpu_fallbacks {after.cpu_fallbacks - before.cpu_fallbacks}, stage seconds {stages}"
     )
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def raw_decode_rows(root: os.PathLike[str], *, count: int = 1024, batch: int = 128) -> list[str]:
@@ -91,9 +75,7 @@ def raw_decode_rows(root: os.PathLike[str], *, count: int = 1024, batch: int = 1
     for name, kind in (("all", None), ("hardware", "HW_GPU_ONLY"), ("hybrid", "HYBRID_CPU_GPU")):
         decoder = nv.Decoder(backends=None if kind is None else [nv.Backend(getattr(nv, kind))])
         streams = [nv.CodeStream(data) for data in blobs]
-        regions = [
-            crops.sample((cs.height, cs.width), sample_generator(0, 0, i)) for i, cs in enumerate(streams)
-        ]
+        regions = [crops.sample((cs.height, cs.width), random.Random(i)) for i, cs in enumerate(streams)]
         parts = [
             cs.get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
             for cs, (t, left, h, w) in zip(streams, regions, strict=True)
