@@ -449,6 +449,9 @@ def test_unindexable_shards_raise_at_construction_naming_the_shard(
 
 
 def test_single_non_shard_path_is_still_rejected(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tar shards"):  # a missing one says that it is missing
+        ThreadLoader(str(tmp_path / "one.jpg"))
+    (tmp_path / "one.jpg").write_bytes(b"\xff\xd8")
     with pytest.raises(TypeError, match="tar shards"):
         ThreadLoader(str(tmp_path / "one.jpg"))
 
