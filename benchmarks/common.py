@@ -123,17 +123,28 @@ def option_label(options: dict[str, Any]) -> str:
     return "".join(f" {key}={value!r}" for key, value in options.items())
 
 
-def add_common(p: argparse.ArgumentParser, out: str) -> None:
-    """The options every measuring entry point takes: data, device, output, smoke run."""
+Sized = dict[str, tuple[Any, Any, str]]
+"""Options whose default depends on ``--quick``: name -> (full run, ``--quick``, what it is)."""
+
+
+def parser(module: str, doc: str, sized: Sized, out: str) -> argparse.ArgumentParser:
+    """An entry point's parser: its sized options, then --data-root, --device, --out and --quick."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    for name, (full, quick, what) in sized.items():
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=type(full), help=f"{what} (default {full}; --quick {quick})"
+        )
     p.add_argument("--data-root", type=Path, help="data set cache dir (default: see benchmarks.datasets)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--out", type=Path, help=f"write {out} here")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    return p
 
 
-def fill_defaults(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]]) -> argparse.Namespace:
-    """Unset options take their full-run or ``--quick`` default; the device, cuda where there is one."""
-    for name, (full, quick) in defaults.items():
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, sized: Sized) -> argparse.Namespace:
+    """The options; unset ones at their full-run or --quick default, the device cuda where there is one."""
+    args = p.parse_args(argv)
+    for name, (full, quick, _) in sized.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

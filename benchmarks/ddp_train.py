@@ -277,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"rank {rank}/{world_size} on {mine['device']}: {mine['images_per_s']:.0f} img/s, "
             f"waited for data {100 * mine['loader_wait_share']:.1f}% of the time; resume after "
-            f"{mine['resume']['k']} steps: {same} batches",
+            f"{mine['resume']['k']} steps: {same} batches\n",
+            end="",  # the line and its end in one write: the ranks share stdout
             flush=True,
         )
         everyone: list[Any] = [None] * world_size

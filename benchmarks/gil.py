@@ -140,16 +140,8 @@ def _threadloader(
     root: Path, device: str, batch_size: int, engine: str | None
 ) -> Callable[[threading.Event, Background], None]:
     def run(stop: threading.Event, counter: Background) -> None:
-        stream = loaders.threadloader(
-            root,
-            size=OUTPUT_SIZE[SET],
-            batch_size=batch_size,
-            num_threads=None,
-            device=device,
-            normalize=True,
-            channels_last=True,
-            engine=engine,
-        )
+        work = loaders.Work(OUTPUT_SIZE[SET], batch_size, device, normalize=True)
+        stream = loaders.threadloader(root, work, num_threads=None, channels_last=True, engine=engine)
         try:
             # The first batch is the start-up's; the stream hands the next one once the loader is past
             # its CPU start (loaders.past_the_cpu_start), so counting from it starts the windows there.
@@ -260,12 +252,16 @@ def _line(row: GilRow) -> str:
     )
 
 
+SIZED = {  # option: (full run, --quick, what it is)
+    "count": (1000, 32, "images in the varied set"),
+    "batch_size": (64, 8, "ThreadLoader batch size"),
+    "seconds": (1.0, 0.3, "length of each timed loop"),
+}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gil", description=__doc__.splitlines()[0])
-    p.add_argument("--count", type=int, help="images in the varied set (default 1000; --quick 32)")
-    p.add_argument("--batch-size", type=int, help="ThreadLoader batch size (default 64; --quick 8)")
-    p.add_argument("--seconds", type=float, help="length of each timed loop (default 1.0; --quick 0.3)")
+    p = common.parser("benchmarks.gil", __doc__, SIZED, "gil.md and gil.json")
     p.add_argument(
         "--switch-intervals",
         type=lambda text: [float(x) for x in text.split(",") if x],
@@ -278,10 +274,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="nvImageCodec's C API, its Python API: a threadloader row each on a GPU (default both)",
     )  # fmt: skip
     p.add_argument("--ops", type=names(OPS), help="cpu,cuda (default: cuda too on a GPU)")
-    common.add_common(p, "gil.md and gil.json")
-    args = common.fill_defaults(
-        p.parse_args(argv), {"count": (1000, 32), "seconds": (1.0, 0.3), "batch_size": (64, 8)}
-    )
+    args = common.parse(p, argv, SIZED)
     args.ops = args.ops or (list(OPS) if args.device == "cuda" else ["cpu"])
     if "cuda" in args.ops and args.device != "cuda":
         p.error("--ops cuda needs --device cuda")

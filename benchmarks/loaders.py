@@ -2,9 +2,9 @@
 
 Every factory is a generator function: the first ``next()`` builds the loader (so the caller's
 startup timer covers workers, decoders and preloading alike), later ones yield batches forever
-(epochs are cycled), and ``close()`` on the generator releases the workers. All yield the same
-output: float32 NCHW images in [0, 1] at the set's output size (normalized with ImageNet's mean and
-std in the ``--augment`` rows and where ``normalize`` is set), int64 targets, on the device.
+(epochs are cycled), and ``close()`` on the generator releases the workers. All do the :class:`Work`
+they are given and yield the same output: float32 NCHW images in [0, 1] at its size (normalized with
+ImageNet's mean and std in the augmented and normalized rows), int64 targets, on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import itertools
 import os
 import random
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from unittest import mock
@@ -33,9 +34,32 @@ if TYPE_CHECKING:
 
 Files = Sequence[tuple[Path, int]]
 Size = tuple[int, int]  # (height, width)
+Batches = Generator[Batch, None, None]
 T = TypeVar("T")
 
 BACKENDS = ("default", "hw", "hybrid")
+"""The ceiling rows' Decoders: nvImageCodec's own choice, the hardware JPEG engine, the hybrid decoder."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a row delivers: ``batch_size`` images at ``size`` on ``device``, the same in every row.
+
+    ``augment``: RandomResizedCrop + flip + normalize (training augmentation) instead of a resize;
+    ``normalize``: ImageNet's mean and std. ``on_built`` is called once the loader is built, before its
+    first batch is asked for (where a training row pauses, as a script's own set-up would).
+    """
+
+    size: Size
+    batch_size: int
+    device: str
+    augment: bool = False
+    normalize: bool = False
+    on_built: Callable[[], None] = lambda: None
+
+    @property
+    def normalized(self) -> bool:
+        return self.augment or self.normalize
 
 
 def _require_cuda(device: str) -> None:
@@ -48,6 +72,11 @@ def endless_batches(n: int, batch_size: int) -> Iterator[list[int]]:
     """Index lists of full batches, wrapping around the data set so no batch is short."""
     for start in itertools.count(0, batch_size):
         yield [(start + j) % n for j in range(batch_size)]
+
+
+def augmentation(size: Size) -> Compose:
+    """Training augmentation: RandomResizedCrop to ``size`` and a flip, threadloader's transforms."""
+    return Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
 
 
 def to_batch(images: Images, size: Size, *, normalize: bool = False) -> torch.Tensor:
@@ -69,17 +98,16 @@ def to_batch(images: Images, size: Size, *, normalize: bool = False) -> torch.Te
 
 
 class Finish:
-    """What every GPU-decoding row does after decoding: the ``--augment`` steps, then :func:`to_batch`.
+    """What every GPU-decoding row does after decoding: the augmentation, then :func:`to_batch`.
 
-    ``augment``: ThreadLoader's RandomResizedCrop + flip (each step once for the whole batch, as
-    ThreadLoader runs them) on the decoded images, with parameters the caller draws (``sample``), so
-    that it can also decode only each crop's region; implies ``normalize``.
+    With ``work.augment``: ThreadLoader's RandomResizedCrop + flip (each step once for the whole batch,
+    as ThreadLoader runs them) on the decoded images, with parameters the caller draws (``sample``), so
+    that it can also decode only each crop's region.
     """
 
-    def __init__(self, size: Size, *, augment: bool = False, normalize: bool = False) -> None:
-        self.size = size
-        self.augment = augmentation(size) if augment else None
-        self.normalize = augment or normalize
+    def __init__(self, work: Work) -> None:
+        self.size, self.normalize = work.size, work.normalized
+        self.augment = augmentation(work.size) if work.augment else None
 
     def sample(self, size: Size, generator: random.Random) -> Any:
         """One image's augmentation parameters (``None`` without augmentation)."""
@@ -91,16 +119,30 @@ class Finish:
         return to_batch(images, self.size, normalize=self.normalize)
 
 
-# --- Pillow + DataLoader -------------------------------------------------------------------------
+# --- DataLoader: Pillow in forked workers, nvImageCodec in spawned ones (the seed notebook's design) --
 
 
 class PilDataset(Dataset[tuple[torch.Tensor, int]]):
-    """Decodes with Pillow and resizes (or random-crops) on the CPU: the usual torchvision-style pipeline."""
+    """Decodes with Pillow and resizes (or random-crops) on the CPU: the usual torchvision-style pipeline.
 
-    def __init__(self, files: Files, *, size: Size, augment: bool = False) -> None:
-        self.files = list(files)
-        self.size = size
-        self.augment = _pil_augmentation(size) if augment else None
+    The augmentation is torchvision's, whose resize on Pillow images is Pillow's (fast on the CPU);
+    threadloader's own transforms on CPU tensors where torchvision is missing.
+    """
+
+    def __init__(self, files: Files, work: Work) -> None:
+        self.files, self.size = list(files), work.size
+        self.augment: Callable[[Image.Image], torch.Tensor] | None = None
+        if work.augment:
+            try:
+                from torchvision.transforms import v2
+            except ImportError:
+                ours = augmentation(work.size)
+                self.augment = lambda image: ours(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+            else:
+                flip = v2.RandomHorizontalFlip()
+                self.augment = v2.Compose(
+                    [v2.RandomResizedCrop(work.size, antialias=True), flip, v2.PILToTensor()]
+                )
 
     def __len__(self) -> int:
         return len(self.files)
@@ -117,58 +159,24 @@ class PilDataset(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), label
 
 
-def augmentation(size: Size) -> Any:
-    """Training augmentation for the ``--augment`` rows: RandomResizedCrop to ``size`` and a flip."""
-    return Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
-
-
-def _pil_augmentation(size: Size) -> Any:
-    """The same augmentation as users run it on Pillow images.
-
-    torchvision's, whose resize on Pillow images is Pillow's (fast on the CPU); threadloader's own
-    transforms on CPU tensors where torchvision is missing.
-    """
-    try:
-        from torchvision.transforms import v2
-    except ImportError:
-        ours = augmentation(size)
-        return lambda image: ours(torch.from_numpy(np.array(image)).permute(2, 0, 1))
-    return v2.Compose(
-        [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()]
-    )
-
-
-def pil_dataloader(
-    files: Files,
-    *,
-    size: Size,
-    batch_size: int,
-    workers: int,
-    device: str,
-    augment: bool = False,
-    normalize: bool = False,
-    on_built: Callable[[], None] = lambda: None,
-) -> Generator[Batch, None, None]:
+def pil_dataloader(files: Files, work: Work, *, workers: int) -> Batches:
     """Pillow in ``workers`` forked DataLoader processes, pinned batches copied non-blocking.
 
-    ``normalize``: ImageNet's mean and std, in this process after the copy (so workers send ``uint8``).
+    Normalized in this process after the copy, so that workers send ``uint8``.
     """
     loader = DataLoader(
-        PilDataset(files, size=size, augment=augment),
-        batch_sampler=endless_batches(len(files), batch_size),
+        PilDataset(files, work),
+        batch_sampler=endless_batches(len(files), work.batch_size),
         num_workers=workers,
         multiprocessing_context="fork" if workers else None,
-        pin_memory=device == "cuda",
+        pin_memory=work.device == "cuda",
     )
-    on_built()
+    work.on_built()
     for images, targets in loader:
-        floats = images.to(device, non_blocking=True).float().div_(255)
-        if augment or normalize:  # a training pipeline normalizes; here on the GPU, after the copy
+        floats = images.to(work.device, non_blocking=True).float().div_(255)
+        if work.normalized:  # a training pipeline normalizes; here on the GPU, after the copy
             floats = normalize_(floats, IMAGENET_MEAN, IMAGENET_STD, inplace=True)
-        yield floats, targets.to(device, non_blocking=True)
-
-
-# --- nvImageCodec in spawned DataLoader workers (the seed notebook's design) -------------------------
+        yield floats, targets.to(work.device, non_blocking=True)
 
 
 class BytesDataset(Dataset[tuple[bytes, int]]):
@@ -185,20 +193,16 @@ class BytesDataset(Dataset[tuple[bytes, int]]):
         return path.read_bytes(), label
 
 
-def _decode_params() -> nvimgcodec.DecodeParams:
-    """sRGB interleaved RGB, so grayscale JPEGs also come out with three channels."""
-    from nvidia import nvimgcodec as nv
-
-    return nv.DecodeParams(color_spec=nv.SRGB, sample_format=nv.I_RGB)
-
-
 def nv_decode(decoder: nvimgcodec.Decoder, data: Sequence[Any]) -> list[torch.Tensor]:
-    """Batch-decode bytes or CodeStreams on torch's current stream, as CHW uint8 CUDA tensors."""
+    """Batch-decode bytes or CodeStreams on torch's current stream, as CHW uint8 CUDA tensors.
+
+    sRGB interleaved RGB, so grayscale JPEGs also come out with three channels.
+    """
     from nvidia import nvimgcodec as nv
 
     decoded = decoder.decode(
         [nv.CodeStream(d) if isinstance(d, bytes) else d for d in data],
-        params=_decode_params(),
+        params=nv.DecodeParams(color_spec=nv.SRGB, sample_format=nv.I_RGB),
         cuda_stream=torch.cuda.current_stream().cuda_stream,
     )
     failed = sum(im is None for im in decoded)
@@ -214,8 +218,8 @@ class NvImgCodecCollate:
     whole decoded images.
     """
 
-    def __init__(self, *, size: Size, augment: bool = False, normalize: bool = False) -> None:
-        self.finish = Finish(size, augment=augment, normalize=normalize)
+    def __init__(self, work: Work) -> None:
+        self.finish = Finish(work)
         self._random = random.Random()
         self._decoder: nvimgcodec.Decoder | None = None
 
@@ -231,119 +235,97 @@ class NvImgCodecCollate:
         return self.finish(images, params), torch.tensor(labels)
 
 
-def spawn_collate_nvimgcodec(
-    files: Files,
-    *,
-    size: Size,
-    batch_size: int,
-    workers: int,
-    device: str,
-    augment: bool = False,
-    normalize: bool = False,
-    on_built: Callable[[], None] = lambda: None,
-) -> Generator[Batch, None, None]:
+def spawn_collate_nvimgcodec(files: Files, work: Work, *, workers: int) -> Batches:
     """Spawned workers decode on the GPU; CUDA batches reach this process through CUDA IPC."""
-    _require_cuda(device)
+    _require_cuda(work.device)
     import_optional("nvidia.nvimgcodec")
     loader = DataLoader(
         BytesDataset(files),
-        batch_sampler=endless_batches(len(files), batch_size),
+        batch_sampler=endless_batches(len(files), work.batch_size),
         num_workers=workers,
         multiprocessing_context="spawn",
-        collate_fn=NvImgCodecCollate(size=size, augment=augment, normalize=normalize),
+        collate_fn=NvImgCodecCollate(work),
     )
-    on_built()
+    work.on_built()
     for images, targets in loader:
-        yield images, targets.to(device, non_blocking=True)
+        yield images, targets.to(work.device, non_blocking=True)
 
 
-# --- single-threaded decode ceilings over preloaded bytes ----------------------------------------
+# --- one thread decoding preloaded bytes: nvImageCodec's single Decoder, torchvision's nvJPEG ---------
 
 
-def _preload(files: Files, device: str) -> tuple[list[bytes], torch.Tensor]:
-    """All encoded files in memory plus all targets on the device: these rows measure decode only."""
-    return [p.read_bytes() for p, _ in files], torch.tensor([t for _, t in files], device=device)
+Decode = Callable[[list[int], list[bytes], "Finish"], tuple[Any, list[Any]]]
+"""A batch's images and their augmentation parameters, from the indices, the preloaded bytes, the finish."""
 
 
-def single_decoder_ceiling(
-    files: Files,
-    *,
-    size: Size,
-    batch_size: int,
-    backend: str,
-    device: str,
-    crop: str | None = None,
-    normalize: bool = False,
-) -> Generator[Batch, None, None]:
+def _one_thread(files: Files, work: Work, decode: Decode) -> Batches:
+    """All encoded files in memory and all targets on the device: these rows measure decoding only.
+
+    The augmentation parameters are drawn from each image's own ``random.Random(index)``: comparable
+    work, not ThreadLoader's very crops.
+    """
+    data = [p.read_bytes() for p, _ in files]
+    targets = torch.tensor([t for _, t in files], device=work.device)
+    finish = Finish(work)
+    for idx in endless_batches(len(data), work.batch_size):
+        images, params = decode(idx, data, finish)
+        yield finish(images, params), targets[idx]
+
+
+def single_decoder_ceiling(files: Files, work: Work, *, backend: str, crop: str | None = None) -> Batches:
     """One thread, one Decoder, no file I/O: what a single serialized Decoder can deliver.
 
-    ``crop`` (the ``--augment`` rows: RandomResizedCrop, flip and normalize, as ThreadLoader's):
-    ``None`` decodes whole images and resizes them; ``"region"`` decodes only each crop's region (drawn
-    from the header); ``"whole"`` decodes the whole image and crops the same region.
+    ``crop`` (the augmented rows): ``"region"`` decodes only each crop's region (drawn from the
+    header); ``"whole"`` decodes the whole image and crops the same region.
     """
-    _require_cuda(device)
+    _require_cuda(work.device)
     nv = import_optional("nvidia.nvimgcodec")
     kinds = {"hw": nv.BackendKind.HW_GPU_ONLY, "hybrid": nv.BackendKind.HYBRID_CPU_GPU}
     try:
         decoder = nv.Decoder(backends=[nv.Backend(kinds[backend])]) if backend in kinds else nv.Decoder()
     except Exception as e:  # nvImageCodec reports a missing GPU or backend as various errors
         raise SkipRow(f"no nvImageCodec Decoder: {e}") from e
-    data, targets = _preload(files, device)
-    finish = Finish(size, augment=crop is not None, normalize=normalize)
-    for idx in endless_batches(len(data), batch_size):
+
+    def decode(idx: list[int], data: list[bytes], finish: Finish) -> tuple[list[torch.Tensor], list[Any]]:
         streams = [nv.CodeStream(data[i]) for i in idx]
         params = [
-            finish.sample((cs.height, cs.width), random.Random(i)) for cs, i in zip(streams, idx, strict=True)
+            finish.sample((s.height, s.width), random.Random(i)) for s, i in zip(streams, idx, strict=True)
         ]
-        if crop == "region":
-            assert finish.augment is not None
-            splits = [finish.augment.split_region(p) for p in params]
-            streams = [
-                cs.get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
-                for cs, ((t, left, h, w), _) in zip(streams, splits, strict=True)
-            ]
-            params = [rest for _, rest in splits]
-        yield finish(nv_decode(decoder, streams), params), targets[idx]
+        for k, p in enumerate(params if crop == "region" else ()):
+            split = finish.augment.split_region(p) if finish.augment is not None else None
+            assert split is not None  # augmented, RandomResizedCrop first: every crop has its region
+            (t, left, h, w), params[k] = split
+            streams[k] = streams[k].get_sub_code_stream(region=nv.Region(t, left, t + h, left + w))
+        return nv_decode(decoder, streams), params
+
+    yield from _one_thread(files, work, decode)
 
 
-def torchvision_gpu(
-    files: Files, *, size: Size, batch_size: int, device: str, augment: bool = False, normalize: bool = False
-) -> Generator[Batch, None, None]:
+def torchvision_gpu(files: Files, work: Work) -> Batches:
     """torchvision's batched nvJPEG decode from one thread, over preloaded bytes; whole images only."""
-    _require_cuda(device)
+    _require_cuda(work.device)
     io = import_optional("torchvision.io")
-    data, targets = _preload(files, device)
-    encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
-    finish = Finish(size, augment=augment, normalize=normalize)
-    for idx in endless_batches(len(encoded), batch_size):
-        images = io.decode_jpeg([encoded[i] for i in idx], device=device, mode=io.ImageReadMode.RGB)
-        params = [
-            finish.sample((im.shape[-2], im.shape[-1]), random.Random(i))
-            for im, i in zip(images, idx, strict=True)
+
+    def decode(idx: list[int], data: list[bytes], finish: Finish) -> tuple[list[torch.Tensor], list[Any]]:
+        encoded = [torch.frombuffer(bytearray(data[i]), dtype=torch.uint8) for i in idx]
+        images = io.decode_jpeg(encoded, device=work.device, mode=io.ImageReadMode.RGB)
+        return images, [
+            finish.sample(im.shape[1:], random.Random(i)) for im, i in zip(images, idx, strict=True)
         ]
-        yield finish(images, params), targets[idx]
+
+    yield from _one_thread(files, work, decode)
 
 
 # --- NVIDIA DALI --------------------------------------------------------------------------------
 
 
-def dali(
-    root: Path,
-    *,
-    size: Size,
-    batch_size: int,
-    workers: int,
-    device: str,
-    augment: bool = False,
-    normalize: bool = False,
-    on_built: Callable[[], None] = lambda: None,
-) -> Generator[Batch, None, None]:
+def dali(root: Path, work: Work, *, workers: int) -> Batches:
     """DALI's own pipeline over the directory, as its ResNet-50 examples build it.
 
     ``fn.readers.file`` (the class folders in sorted order, as ImageFolder), then on a GPU the
     ``mixed`` decoder, which splits each batch between the hardware JPEG engine and the CUDA decoder
-    (``hw_decoder_load``, DALI's default 0.65). With ``augment`` it decodes only a RandomResizedCrop
-    region (``fn.decoders.image_random_crop``, the same scale and ratio ranges: DALI's counterpart of
+    (``hw_decoder_load``, DALI's default 0.65). Augmented, it decodes only a RandomResizedCrop region
+    (``fn.decoders.image_random_crop``, the same scale and ratio ranges: DALI's counterpart of
     ThreadLoader's region decoding), resizes it and flips half the images; otherwise it decodes whole
     images and resizes them (``fn.resize``, bilinear with antialias). ``fn.crop_mirror_normalize``
     makes float32 NCHW in [0, 1], normalized as the other rows. ``workers``: DALI's CPU threads.
@@ -353,44 +335,38 @@ def dali(
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-    gpu = device == "cuda"
-    scale = IMAGENET_STD if augment or normalize else (1.0, 1.0, 1.0)
-    shift = IMAGENET_MEAN if augment or normalize else (0.0, 0.0, 0.0)
+    gpu = work.device == "cuda"
+    scale = IMAGENET_STD if work.normalized else (1.0, 1.0, 1.0)
+    shift = IMAGENET_MEAN if work.normalized else (0.0, 0.0, 0.0)
     decoded = {"device": "mixed", "hw_decoder_load": 0.65} if gpu else {"device": "cpu"}
 
-    @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=0 if gpu else None)
+    @pipeline_def(batch_size=work.batch_size, num_threads=workers, device_id=0 if gpu else None)
     def pipeline() -> tuple[Any, Any]:
         jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=False)
-        if augment:
+        if work.augment:
+            area, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
             images = fn.decoders.image_random_crop(
-                jpegs,
-                output_type=types.RGB,
-                random_area=(0.08, 1.0),
-                random_aspect_ratio=(3 / 4, 4 / 3),
-                **decoded,
+                jpegs, output_type=types.RGB, random_area=area, random_aspect_ratio=ratio, **decoded
             )
             mirror = fn.random.coin_flip(probability=0.5)
         else:
             images, mirror = fn.decoders.image(jpegs, output_type=types.RGB, **decoded), 0
+        height, width = work.size
         images = fn.resize(
-            images, resize_x=size[1], resize_y=size[0], interp_type=types.INTERP_LINEAR, antialias=True
+            images, resize_x=width, resize_y=height, interp_type=types.INTERP_LINEAR, antialias=True
         )
+        mean, std = [255 * m for m in shift], [255 * s for s in scale]
         images = fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mean=[255 * m for m in shift],
-            std=[255 * s for s in scale],
-            mirror=mirror,
+            images, dtype=types.FLOAT, output_layout="CHW", mean=mean, std=std, mirror=mirror
         )
         return images, labels
 
     pipe = pipeline()
     pipe.build()
-    on_built()
+    work.on_built()
     # No reader_name: the file reader wraps around, so the iterator is endless like the other rows'.
     for (outputs,) in DALIGenericIterator([pipe], ["images", "labels"]):
-        yield outputs["images"], outputs["labels"].reshape(-1).long().to(device, non_blocking=True)
+        yield outputs["images"], outputs["labels"].reshape(-1).long().to(work.device, non_blocking=True)
 
 
 # --- threadloader --------------------------------------------------------------------------------
@@ -426,26 +402,21 @@ def with_engine(engine: str | None) -> contextlib.AbstractContextManager[Any]:
 
 def threadloader(
     root: Path,
+    work: Work,
     *,
-    size: Size,
-    batch_size: int,
     num_threads: int | None,
-    device: str,
-    augment: bool = False,
     region_decode: bool = True,
-    normalize: bool = False,
     channels_last: bool = False,
     options: Mapping[str, Any] | None = None,
     engine: str | None = None,
-    on_built: Callable[[], None] = lambda: None,
-) -> Generator[Batch, None, None]:
+) -> Batches:
     """threadloader over the directory; ``num_threads=None`` keeps its default.
 
-    With ``augment``: RandomResizedCrop + flip, the crop decoded as its region unless ``region_decode``
-    is off (then whole images are decoded and cropped: the comparison row). ``normalize``: ImageNet's
-    mean and std. ``options``: more keyword arguments for ``ThreadLoader`` (``--threadloader-options``),
-    none of ``benchmarks.common.ROW_ARGUMENTS``. ``engine``: ``"capi"`` or ``"python"``, nvImageCodec's
-    C API or its Python API (``THREADLOADER_CAPI``, as a user chooses it); ``None``: the default.
+    Augmented, the crop is decoded as its region unless ``region_decode`` is off (then whole images are
+    decoded and cropped: the comparison row). ``options``: more keyword arguments for ``ThreadLoader``
+    (``--threadloader-options``), none of ``benchmarks.common.ROW_ARGUMENTS``. ``engine``: ``"capi"`` or
+    ``"python"``, nvImageCodec's C API or its Python API (``THREADLOADER_CAPI``, as a user chooses it);
+    ``None``: the default.
     """
     module = import_optional("threadloader")
     with (
@@ -453,19 +424,19 @@ def threadloader(
         module.ThreadLoader(
             root,
             **(options or {}),
-            batch_size=batch_size,
+            batch_size=work.batch_size,
             drop_last=True,  # full batches only, as the other rows' endless batch samplers give
             num_threads=num_threads,
-            size=size,
+            size=work.size,
             dtype=torch.float32,
-            mean=IMAGENET_MEAN if augment or normalize else None,
-            std=IMAGENET_STD if augment or normalize else None,
-            device=device,
-            transform=augmentation(size) if augment else None,
+            mean=IMAGENET_MEAN if work.normalized else None,
+            std=IMAGENET_STD if work.normalized else None,
+            device=work.device,
+            transform=augmentation(work.size) if work.augment else None,
             channels_last=channels_last,
             region_decode=region_decode,
         ) as loader,
     ):
-        on_built()
-        for images, targets in past_the_cpu_start(loader, endless(loader), batch_size=batch_size):
-            yield images, targets.to(device, non_blocking=True)  # targets come back on the CPU
+        work.on_built()
+        for images, targets in past_the_cpu_start(loader, endless(loader), batch_size=work.batch_size):
+            yield images, targets.to(work.device, non_blocking=True)  # targets come back on the CPU

@@ -128,19 +128,18 @@ def number(value: float | None, spec: str, suffix: str = "") -> str:
     return "—" if value is None else format(value, spec) + suffix
 
 
-def measured(row: Json, measure: str, spec: str) -> str:
-    """A ``benchmarks.run`` row's median, with its min-max over repeats where they differ."""
-    if row.get(measure) is None:
-        return "—"
-    low, high = (row.get(end, {}).get(measure, row[measure]) for end in ("min", "max"))
-    return Spread(row[measure], low, high).cell(spec)
+def spread(row: Json, measure: str) -> Spread | None:
+    """A row's measure: a ``benchmarks.run`` row's median and range over repeats, a training row's windows."""
+    value = row.get(measure)
+    if value is None or isinstance(value, list):
+        return Spread.of(value or [])
+    low, high = (row.get(end, {}).get(measure, value) for end in ("min", "max"))
+    return Spread(value, low, high)
 
 
-def spread(row: Json, measure: str) -> Spread:
-    """A row's measure as a spread: a ``benchmarks.run`` row's over repeats, a training row's windows."""
-    if isinstance(row[measure], list):
-        return Spread.of(row[measure]) or Spread(0.0, 0.0, 0.0)
-    return Spread(row[measure], row["min"][measure], row["max"][measure])
+def cell(spread: Spread | None, spec: str) -> str:
+    """The median, with the range where the values differ; "—" for nothing measured."""
+    return "—" if spread is None else spread.cell(spec)
 
 
 def note(row: Json) -> str:
@@ -160,8 +159,9 @@ def figure(rows: int, panels: int) -> Any:
     return fig
 
 
-def bars(ax: Any, labels: list[str], spreads: list[Spread], title: str, colors: list[str] | str) -> None:
+def bars(ax: Any, labels: list[str], found: list[Spread | None], title: str, colors: list[str] | str) -> None:
     """Horizontal bars of medians with min-max whiskers, the first label on top."""
+    spreads = [s or Spread(0.0, 0.0, 0.0) for s in found]
     medians = [s.median for s in spreads]
     whiskers = [[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]]
     drawn = ax.barh(labels, medians, xerr=whiskers, color=colors, capsize=3)
@@ -214,14 +214,13 @@ def throughput_tables(found: list[ResultFile]) -> list[str]:
         header += ["CPU ms/image"] * cpu_time + ["vs PIL"] * ratio + ["note"]
         body = []
         for r in result.rows:
-            cells = [r["name"], measured(r, "images_per_s", ",.0f"), number(r.get("ms_per_batch"), ".1f")]
+            cells = [r["name"], cell(spread(r, "images_per_s"), ",.0f"), number(r.get("ms_per_batch"), ".1f")]
             cells.append(number(r.get("cpu_cores"), ".1f"))
             if cpu_time:
                 per_image = [
                     1000 * x["cpu_cores"] / x["images_per_s"] for x in r["repeats"] if x["images_per_s"]
                 ]
-                per_image_spread = Spread.of(per_image)
-                cells.append(per_image_spread.cell(".1f") if per_image_spread else "—")
+                cells.append(cell(Spread.of(per_image), ".1f"))
             cells += [number(r.get("ratio_vs_pil"), ".2f", "x")] * ratio + [note(r)]
             body.append(cells)
         lines += [f"### {set_title(result)}", "", *provenance(result), *table(header, body)]
@@ -278,8 +277,8 @@ def memory_tables(runs: list[ResultFile], trainings: list[ResultFile]) -> list[s
         header = ["set", "loader", "extra GPU MB (device)", "torch reserved MB", *map(_startup_label, starts)]
         body = [
             [set_title(result), r["name"]]
-            + [measured(r, m, ",.0f") for m in ("extra_gpu_mb", "torch_reserved_mb")]
-            + [measured(r, s, ".2f") for s in starts]
+            + [cell(spread(r, m), ",.0f") for m in ("extra_gpu_mb", "torch_reserved_mb")]
+            + [cell(spread(r, s), ".2f") for s in starts]
             for result in runs
             for r in result.rows
         ]
@@ -369,7 +368,7 @@ def training_table(found: list[ResultFile]) -> list[str]:
                 cells += [note(row) if row else "", "", ""]
                 continue
             wait = Spread.of(row["data_wait_frac"])
-            cells += [spread(row, "images_per_s").cell(",.0f"), number(row.get("ratio"), ".2f", "x")]
+            cells += [cell(spread(row, "images_per_s"), ",.0f"), number(row.get("ratio"), ".2f", "x")]
             cells.append(number(100 * wait.median if wait else None, ".0f", "%"))
         body.append(cells)
     return table(header, body)
@@ -385,7 +384,9 @@ def training_chart(found: list[ResultFile]) -> Draw:
         fig = figure(sum(map(len, ok)) // max(len(kinds), 1), len(kinds))
         colors = ["tab:blue", "tab:green", "tab:purple", "tab:red"]
         for ax, kind in zip(fig.subplots(1, len(kinds), squeeze=False)[0], kinds, strict=True):
-            names, spreads, shades = [], [], []
+            names: list[str] = []
+            spreads: list[Spread | None] = []
+            shades: list[str] = []
             for i, (rows, label) in enumerate(zip(ok, labels(found), strict=True)):
                 tag = f" ({label})" if len(found) > 1 else ""
                 for row in (r for r in rows if r["spec"]["kind"] == kind):

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,14 +42,14 @@ GPU_ONLY = frozenset({"spawn_collate_nvimgcodec", "single_decoder_ceiling", "tor
 BASELINE = "pil_dataloader"
 """Loader family every throughput is compared with: the common Pillow + DataLoader pipeline."""
 
-DEFAULTS = {  # option: (full run, --quick)
-    "count": (2000, 64),
-    "batches": (200, 5),
-    "warmup": (20, 1),
-    "batch_size": (64, 16),
-    "workers": (8, 2),
-    "repeats": (3, 1),
-    "row_timeout": (300.0, 120.0),
+SIZED = {  # option: (full run, --quick, what it is)
+    "count": (2000, 64, "images in the set"),
+    "batches": (200, 5, "timed batches"),
+    "warmup": (20, 1, "warm-up batches"),
+    "batch_size": (64, 16, "batch size of the non-sweep rows"),
+    "workers": (8, 2, "DataLoader workers"),
+    "repeats": (3, 1, "fresh processes per row; the report gives the median and min-max"),
+    "row_timeout": (300.0, 120.0, "seconds before a row's process is stopped"),
 }
 
 
@@ -75,15 +75,7 @@ class Row:
 
 
 #: The measurements summarized over repeats: median, min and max of the repeats that ran.
-MEASURES = (
-    "images_per_s",
-    "ms_per_batch",
-    "startup_s",
-    "cpu_cores",
-    "extra_gpu_mb",
-    "torch_reserved_mb",
-    "data_wait_frac",
-)
+MEASURES = tuple(f.name for f in fields(Row))[8:]  # the fields after ``pid``
 
 
 @dataclass
@@ -217,26 +209,22 @@ def measure(case: Case, *, device: str, warmup: int, batches: int) -> Row:
 
 def cases(args: argparse.Namespace, root: Path) -> list[Case]:
     """The rows selected by the options, all reading the same files and delivering the same output."""
-    files = list_images(root)
-    b, w = args.batch_size, args.workers
-    pipeline = {"augment": args.augment, "normalize": args.normalize}
+    files, b, w = list_images(root), args.batch_size, args.workers
 
     def case(loader: str, label: str, source: Any, batch_size: int = b, **kwargs: Any) -> Case:
         """A row of ``loaders.<loader>`` over ``source`` (the files, or their folder)."""
-        kwargs |= {"size": OUTPUT_SIZE[args.set], "device": args.device, "batch_size": batch_size}
+        work = loaders.Work(OUTPUT_SIZE[args.set], batch_size, args.device, args.augment, args.normalize)
         return Case(
-            f"{loader} {label}", loader, batch_size, partial(getattr(loaders, loader), source, **kwargs)
+            f"{loader} {label}", loader, batch_size, partial(getattr(loaders, loader), source, work, **kwargs)
         )
 
     def ours(label: str, batch_size: int, **kwargs: Any) -> Case:
-        named = f"{label} b={batch_size}{common.option_label(args.threadloader_options)}"
-        return case(
-            "threadloader", named, root, batch_size, options=args.threadloader_options, **pipeline, **kwargs
-        )
+        label += f" b={batch_size}{common.option_label(args.threadloader_options)}"
+        return case("threadloader", label, root, batch_size, options=args.threadloader_options, **kwargs)
 
     rows = [
-        case("pil_dataloader", f"w={w} b={b}", files, workers=w, **pipeline),
-        case("spawn_collate_nvimgcodec", f"w={w} b={b}", files, workers=w, **pipeline),
+        case("pil_dataloader", f"w={w} b={b}", files, workers=w),
+        case("spawn_collate_nvimgcodec", f"w={w} b={b}", files, workers=w),
         *(
             case(
                 "single_decoder_ceiling",
@@ -245,15 +233,14 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
                 cb,
                 backend=backend,
                 crop=crop,
-                normalize=args.normalize,
             )
             for backend in args.backends
             for cb in args.ceiling_batch_sizes
             # --augment: decoding a random crop's region against decoding the whole image and cropping
             for crop in (("whole", "region") if args.augment else (None,))
         ),
-        case("torchvision_gpu", f"b={b}", files, **pipeline),
-        case("dali", f"w={w} b={b}", root, workers=w, **pipeline),
+        case("torchvision_gpu", f"b={b}", files),
+        case("dali", f"w={w} b={b}", root, workers=w),
         ours("default threads", b, num_threads=None),
     ]
     if args.augment:  # the same pipeline decoding whole images and cropping them: what regions save
@@ -314,14 +301,9 @@ def measure_rows(selected: Sequence[Case], args: argparse.Namespace, argv: Seque
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options; unset sizes take the full-run or ``--quick`` default."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    p = common.parser("benchmarks.run", __doc__, SIZED, "report.md, report.json and report.png")
     p.add_argument("--set", choices=SETS, default="fixed", help="data set (default: fixed)")
-    p.add_argument("--count", type=int, help="images in the set (default 2000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batches", type=int, help="timed batches (default 200)")
-    p.add_argument("--warmup", type=int, help="warm-up batches (default 20)")
-    p.add_argument("--batch-size", type=int, help="batch size of the non-sweep rows (default 64)")
-    p.add_argument("--workers", type=int, help="DataLoader workers (default 8)")
     p.add_argument("--only", type=names(LOADERS), default=[], help=f"comma list of {', '.join(LOADERS)}")
     p.add_argument(
         "--sweep",
@@ -332,11 +314,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=common.ints, default=[32, 64, 128, 256], help="sweep batch sizes")
     p.add_argument("--ceiling-batch-sizes", type=common.ints, default=[64, 256])
     p.add_argument("--backends", type=names(loaders.BACKENDS), default=list(loaders.BACKENDS))
-    common.add_common(p, "report.md, report.json and report.png")
-    p.add_argument("--repeats", type=int, help="fresh processes per row; the median and min-max (default 3)")
-    p.add_argument(
-        "--row-timeout", type=float, help="seconds before a row's process is stopped (default 300)"
-    )
     p.add_argument(
         "--threadloader-options",
         type=common.threadloader_options,
@@ -354,10 +331,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "threadloader row decoding whole images instead of crop regions",
     )
     p.add_argument("--normalize", action="store_true", help="normalize with ImageNet's mean and std")
-    args = common.fill_defaults(p.parse_args(argv), DEFAULTS)
+    args = common.parse(p, argv, SIZED)
     args.normalize = args.normalize or args.augment
-    if args.sweep is None:
-        args.sweep = not args.quick
+    args.sweep = not args.quick if args.sweep is None else args.sweep
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     return args

@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, report
 from benchmarks.common import Batch
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.run import Case, measure
@@ -50,13 +50,13 @@ SOURCES = (
     "tar_memory",
 )
 
-DEFAULTS = {  # option: (full run, --quick)
-    "count": (2000, 64),
-    "batches": (100, 3),
-    "warmup": (10, 1),
-    "batch_size": (64, 16),
-    "repeats": (3, 1),
-    "shard_size": (250, 16),
+SIZED = {  # option: (full run, --quick, what it is)
+    "count": (2000, 64, "images"),
+    "batches": (100, 3, "timed batches per run"),
+    "warmup": (10, 1, "warm-up batches per run"),
+    "batch_size": (64, 16, "images per batch"),
+    "repeats": (3, 1, "runs per source, interleaved"),
+    "shard_size": (250, 16, "samples per tar shard"),
 }
 
 
@@ -165,63 +165,59 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for source in dict.fromkeys(row["source"] for row in rows):
         ok = [row for row in rows if row["source"] == source and row["status"] == "ok"]
-        rates = [row["images_per_s"] for row in ok]
         summary: dict[str, Any] = {"source": source, "runs": len(ok)}
-        if rates:
-            summary |= {
-                "images_per_s": statistics.median(rates),
-                "images_per_s_min": min(rates),
-                "images_per_s_max": max(rates),
-                "startup_s": statistics.median(row["startup_s"] for row in ok),
-                "cpu_cores": statistics.median(row["cpu_cores"] for row in ok),
-                "extra_gpu_mb": max((row["extra_gpu_mb"] or 0.0) for row in ok),
-            }
-            index = [row["index_s"] for row in ok if row.get("index_s") is not None]
-            if index:
-                summary["index_s"] = statistics.median(index)
-        else:
+        rates = report.Spread.of([row["images_per_s"] for row in ok])
+        if rates is None:
             failed = [row for row in rows if row["source"] == source]
             summary["status"] = failed[0]["status"] + ": " + failed[0]["reason"] if failed else "not run"
-        out.append(summary)
+            out.append(summary)
+            continue
+        summary |= {
+            "images_per_s": rates.median,
+            "images_per_s_min": rates.low,
+            "images_per_s_max": rates.high,
+        }
+        summary |= {key: statistics.median(row[key] for row in ok) for key in ("startup_s", "cpu_cores")}
+        summary["extra_gpu_mb"] = max((row["extra_gpu_mb"] or 0.0) for row in ok)
+        index = [row["index_s"] for row in ok if row.get("index_s") is not None]
+        out.append(summary | ({"index_s": statistics.median(index)} if index else {}))
     return out
 
 
 def markdown(summary: list[dict[str, Any]]) -> str:
     """One table row per source."""
-
-    def fmt(value: float | None, spec: str) -> str:
-        return "—" if value is None else format(value, spec)
-
-    lines = [
-        "| source | img/s (median) | range | startup s | of which indexing s | CPU cores | extra GPU MB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    header = [
+        "source",
+        "img/s (median)",
+        "range",
+        "startup s",
+        "of which indexing s",
+        "CPU cores",
+        "extra GPU MB",
     ]
+    body = []
     for row in summary:
         if "images_per_s" not in row:
-            lines.append(f"| {row['source']} | {row.get('status', '—')} | | | | | |")
+            body.append([row["source"], row.get("status", "—"), "", "", "", "", ""])
             continue
-        lines.append(
-            f"| {row['source']} | {row['images_per_s']:,.0f} | {row['images_per_s_min']:,.0f}-"
-            f"{row['images_per_s_max']:,.0f} | {row['startup_s']:.2f} | {fmt(row.get('index_s'), '.2f')} | "
-            f"{row['cpu_cores']:.1f} | {fmt(row['extra_gpu_mb'] or None, '.0f')} |"
-        )
-    return "\n".join(lines)
+        low, high = row["images_per_s_min"], row["images_per_s_max"]
+        cells = [
+            row["source"],
+            f"{row['images_per_s']:,.0f}",
+            f"{low:,.0f}-{high:,.0f}",
+            f"{row['startup_s']:.2f}",
+        ]
+        cells += [report.number(row.get("index_s"), ".2f"), f"{row['cpu_cores']:.1f}"]
+        body.append([*cells, report.number(row["extra_gpu_mb"] or None, ".0f")])
+    return "\n".join(report.table(header, body))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sources", description=__doc__.splitlines()[0])
-    p.add_argument("--count", type=int, help="images (default 2000)")
-    p.add_argument("--batches", type=int, help="timed batches per run (default 100)")
-    p.add_argument("--warmup", type=int, help="warm-up batches per run (default 10)")
-    p.add_argument("--batch-size", type=int, help="default 64")
-    p.add_argument("--repeats", type=int, help="runs per source, interleaved (default 3)")
-    p.add_argument("--shard-size", type=int, help="samples per tar shard (default 250)")
+    p = common.parser("benchmarks.sources", __doc__, SIZED, "the JSON results (a file)")
     p.add_argument("--threads", type=int, help="reader threads (default: the library's)")
     p.add_argument("--only", type=common.names(SOURCES), default=list(SOURCES), help=", ".join(SOURCES))
     p.add_argument("--seed", type=int, default=0)
-    common.add_common(p, "the JSON results (a file)")
-    args = common.fill_defaults(p.parse_args(argv), DEFAULTS)
-    return args
+    return common.parse(p, argv, SIZED)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

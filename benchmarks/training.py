@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
@@ -44,15 +44,19 @@ PIPELINES = ("resize", "augment")
 LOADERS = ("fixed_input", "threadloader", "dali", "spawn_collate_nvimgcodec", "pil_dataloader")
 SET = "varied"
 
-DEFAULTS = {  # option: (full run, --quick)
-    "count": (1000, 32),
-    "batch_size": (64, 8),
-    "workers": (8, 2),
-    "warmup": (10, 1),
-    "steps": (20, 2),
-    "windows": (3, 3),
-    "row_timeout": (150.0, 120.0),
-    "startup_pause": (1.0, 0.0),
+SIZED = {  # option: (full run, --quick, what it is)
+    "count": (1000, 32, "images in the varied set"),
+    "batch_size": (64, 8, "images per step"),
+    "workers": (8, 2, "DataLoader workers"),
+    "warmup": (10, 1, "steps before timing, the first included"),
+    "steps": (20, 2, "steps per timed window"),
+    "windows": (3, 3, "timed windows per row; the median is reported"),
+    "row_timeout": (150.0, 120.0, "seconds before a row's process is stopped"),
+    "startup_pause": (
+        1.0,
+        0.0,
+        "seconds between building a loader and its first batch, as a script's set-up",
+    ),
 }
 
 
@@ -104,14 +108,6 @@ class TrainingRow:
 # --- one row, in its own process -------------------------------------------------------------------
 
 
-class _Pipeline(TypedDict):
-    """The arguments that make every loader's rows the same work."""
-
-    augment: bool
-    normalize: bool
-    on_built: Callable[[], None]
-
-
 def fixed_input(*, size: tuple[int, int], batch_size: int, device: str) -> Generator[Batch, None, None]:
     """The same batch forever, on the device and channels_last: the step with no loader (the ceiling)."""
     batch = random_batch(device=device, batch_size=batch_size, size=size)
@@ -126,26 +122,16 @@ def _loader(
     size, device, b = OUTPUT_SIZE[SET], args.device, args.batch_size
     if spec.loader == "fixed_input":
         return fixed_input(size=size, batch_size=b, device=device)
-    pipeline: _Pipeline = {"augment": spec.pipeline == "augment", "normalize": True, "on_built": on_built}
-    if spec.loader == "dali":
-        return loaders.dali(
-            args.root, size=size, batch_size=b, workers=args.workers, device=device, **pipeline
-        )
+    work = loaders.Work(
+        size, b, device, augment=spec.pipeline == "augment", normalize=True, on_built=on_built
+    )
     if spec.loader == "threadloader":
+        engine, options = spec.engine or None, spec.options
         return loaders.threadloader(
-            args.root,
-            size=size,
-            batch_size=b,
-            num_threads=None,
-            device=device,
-            channels_last=True,
-            engine=spec.engine or None,
-            options=spec.options,
-            **pipeline,
+            args.root, work, num_threads=None, channels_last=True, engine=engine, options=options
         )
-    files = list_images(args.root)
-    factory = loaders.spawn_collate_nvimgcodec if spec.loader.startswith("spawn") else loaders.pil_dataloader
-    return factory(files, size=size, batch_size=b, workers=args.workers, device=device, **pipeline)
+    source = args.root if spec.loader == "dali" else list_images(args.root)
+    return getattr(loaders, spec.loader)(source, work, workers=args.workers)
 
 
 def _progress(message: str) -> None:
@@ -296,13 +282,7 @@ def _model_label(device: str) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse options; unset sizes take the full-run or ``--quick`` default."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__.splitlines()[0])
-    p.add_argument("--count", type=int, help="images in the varied set (default 1000)")
-    p.add_argument("--batch-size", type=int, help="default 64")
-    p.add_argument("--workers", type=int, help="DataLoader workers (default 8)")
-    p.add_argument("--warmup", type=int, help="steps before timing, the first included (default 10)")
-    p.add_argument("--steps", type=int, help="steps per timed window (default 20)")
-    p.add_argument("--windows", type=int, help="timed windows per row; the median is reported (default 3)")
+    p = common.parser("benchmarks.training", __doc__, SIZED, "training.md, training.json and training.png")
     p.add_argument("--kinds", type=names(KINDS), default=list(KINDS), help="eager,graphed")
     p.add_argument("--pipelines", type=names(PIPELINES), default=list(PIPELINES), help="resize,augment")
     p.add_argument("--loaders", type=names(LOADERS), default=list(LOADERS), help=", ".join(LOADERS))
@@ -318,13 +298,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="after each ThreadLoader row, one more with these arguments (repeatable), as "
         "benchmarks.run's --threadloader-options",
     )
-    p.add_argument("--row-timeout", type=float, help="seconds before a row's process is stopped")
-    p.add_argument(
-        "--startup-pause",
-        type=float,
-        help="seconds between building a loader and its first batch, as a script's set-up (default 1)",
-    )
-    common.add_common(p, "training.md, training.json and training.png")
     p.add_argument(
         "--timeline",
         action="store_true",
@@ -332,7 +305,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print it as JSON
     p.add_argument("--profile", help=argparse.SUPPRESS)  # internal: profile the row, name its files
-    args = common.fill_defaults(p.parse_args(argv), DEFAULTS)
+    args = common.parse(p, argv, SIZED)
     if min(args.steps, args.windows) < 1 or args.warmup < 0:
         p.error(
             f"need --steps and --windows >= 1 and --warmup >= 0, got {args.steps}, {args.windows}, "

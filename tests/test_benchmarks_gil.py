@@ -22,7 +22,7 @@ START_S = 1.5
 WINDOW_S = 0.3
 
 
-def slow_start(root: Path, **_: Any) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+def slow_start(root: Path, *_: Any, **__: Any) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
     """A stream like a fresh GPU loader's: the first batch, then nothing while the CPU start drains
     (``loaders.past_the_cpu_start``), then steady batches."""
     batch = torch.zeros(BATCH, 3, 8, 8), torch.zeros(BATCH, dtype=torch.long)
