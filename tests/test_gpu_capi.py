@@ -14,7 +14,7 @@ import torch
 
 from threadloader._stats import StatsRecorder
 from threadloader.decode import nvimgcodec as nv_module
-from threadloader.decode.nvimgcodec import _capi, _startup
+from threadloader.decode.nvimgcodec import _capi, _engines, _startup
 from threadloader.decode.nvimgcodec import _decoder as _decoder_module
 
 from .conftest import encode, gpu_mismatch, photo, pil_reference, with_orientation
@@ -78,7 +78,7 @@ def test_the_self_test_catches_a_broken_binding(monkeypatch: pytest.MonkeyPatch,
         return bind(self, positions, addresses, shapes, row_strides, **kwargs)
 
     monkeypatch.setattr(_capi.Workspace, "bind", broken)
-    engine = nv_module.engine_named("capi")
+    engine = _engines.engine_named("capi")
     registry = nv_module.DecoderRegistry(nv_module.new_decoder)
     reason = _startup.self_test(engine, registry, ("capi", 0, "cuda", 2, True, 0), 1, torch.device("cuda", 0))
     expected = "pixels differ" if sabotage == "orientation dropped" else "outside the image's memory"

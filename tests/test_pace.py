@@ -145,3 +145,60 @@ def test_two_readers_that_slow_the_faster_configuration_spread_their_calls() -> 
 def test_it_needs_something_to_choose_from() -> None:
     with pytest.raises(ValueError, match="at least one configuration"):
         Pace([])
+
+
+def test_while_the_consumer_is_ahead_every_call_goes_to_the_settled_configuration() -> None:
+    """Beside a training step that is slower than the loader, the fastest decoder is not what counts:
+    the calls go to the one named for it, without tries of the others, until told otherwise."""
+    clock = Clock()
+    pace = Pace(["engine", "cuda"], settled="cuda", retry_after=1.0, clock=clock)
+    speeds = {"engine": 0.00005, "cuda": 0.0001}
+    _run(pace, clock, speeds, 50)
+    pace.settle(True)
+    clock.now += 10  # every measurement old: still no try while settled
+    assert set(_run(pace, clock, speeds, 100)) == {"cuda"}
+    pace.settle(False)
+    assert _run(pace, clock, speeds, 100).count("engine") >= 95
+
+
+def test_a_settled_configuration_must_be_one_of_them() -> None:
+    with pytest.raises(
+        ValueError, match=r"settled must be one of \('engine', 'cuda'\) or None, got 'hybrid'"
+    ):
+        Pace(["engine", "cuda"], settled="hybrid")
+
+
+def test_a_loader_tells_its_decoder_which_side_is_slower() -> None:
+    """A consumer slower than the readers (groups ready when it asks) makes the loader tell the decoder
+    so, after a few groups in a row; one that waits for every group makes it say the opposite."""
+    import time
+
+    from threadloader import ThreadLoader
+    from threadloader.decode import PillowDecoder
+
+    from .conftest import encode, photo
+
+    class Telling(PillowDecoder):
+        def __init__(self, delay: float) -> None:
+            super().__init__()
+            self.told: list[bool] = []
+            self.delay = delay
+
+        def decode(self, encoded, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(self.delay)
+            return super().decode(encoded, **kwargs)
+
+        def consumer_ahead(self, ahead: bool) -> None:
+            self.told.append(ahead)
+
+    samples = [(encode(photo(16, 16, seed=i)), i) for i in range(24)]
+    slow_consumer = Telling(delay=0.0)
+    with ThreadLoader(samples, batch_size=1, decoder=slow_consumer, num_threads=2) as loader:
+        for _ in loader:
+            time.sleep(0.02)  # a training step slower than decoding one image
+    assert slow_consumer.told[:1] == [True]
+    slow_decoder = Telling(delay=0.02)
+    with ThreadLoader(samples, batch_size=1, decoder=slow_decoder, num_threads=1) as loader:
+        for _ in loader:
+            pass
+    assert slow_decoder.told == []  # the consumer waited for every group: the default, said nothing

@@ -12,6 +12,7 @@ neither front end names a concrete decoder.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,11 @@ from .decode.nvimgcodec import NvImageCodecDecoder
 from .decode.pillow import PillowDecoder
 
 __all__ = ["Runtime", "build_decoder"]
+
+#: Seconds a consumer waits at most for a group that was ready: it is then the slower side.
+_READY = 0.0005
+#: Groups in a row that say the other side is slower before the decoder is told (not one odd group).
+_STREAK = 4
 
 #: Pillow threads per reader for a GPU front end's first batches (the cores the readers share, up to
 #: this): a group is one or two batches, so more would mostly start threads.
@@ -64,6 +70,9 @@ class Runtime:
         self.readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._cpu_start: PillowDecoder | None = None
         self._warmup: Warmup | None = None
+        self._side_lock = threading.Lock()
+        self._consumer_ahead = False  # told to the decoder; changed after _STREAK groups say otherwise
+        self._streak = 0
         self._built = decoder is None
         if decoder is None:
             decoder = build_decoder(
@@ -96,6 +105,11 @@ class Runtime:
         """Whether a background warm-up was started (a decoder that ``warms_up``)."""
         return self._warmup is not None
 
+    @property
+    def started(self) -> bool:
+        """Whether the background start, if any, has ended: the readers decode with the decoder."""
+        return self._warmup is None or self._warmup.done
+
     def producer(self, **arguments: Any) -> BatchProducer:
         """A producer on this runtime's decoder, output format and transforms.
 
@@ -122,6 +136,23 @@ class Runtime:
         if warmup is not None:
             warmup.wait()  # returns at once after the first group: the warm-up ran once, at construction
         return producer.produce(batches, reader, epoch=epoch)
+
+    def consumer_waited(self, seconds: float) -> None:
+        """Tells how long the consumer waited for a group: the decoder learns which side is slower.
+
+        A group ready when asked for (a training step slower than the readers) says the consumer is
+        ahead; after :data:`_STREAK` groups in a row say the other side is, the decoder is told.
+        """
+        ahead = seconds < _READY
+        with self._side_lock:
+            if ahead == self._consumer_ahead:
+                self._streak = 0
+                return
+            self._streak += 1
+            if self._streak < _STREAK:
+                return
+            self._consumer_ahead, self._streak = ahead, 0
+        self.decoder.consumer_ahead(ahead)
 
     def close(self) -> None:
         """Stops the warm-up, and lets the decoder built here go (its Decoders' memory). Idempotent."""

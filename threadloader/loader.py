@@ -13,6 +13,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -468,6 +469,7 @@ class _EpochIterator:
         self._progress = progress
         self._drop = drop  # batches of a resumed first group that were consumed before the state
         self._stats = loader._stats
+        self._runtime = loader._runtime
         self._pending: collections.deque[Outcome] = collections.deque()
         self.epoch = epoch
 
@@ -492,8 +494,13 @@ class _EpochIterator:
         while True:
             # A closed pool raises what it was closed with, even with batches of its last group left.
             if self._pool.closed or not self._pending:
-                with self._stats.timed("wait"):
+                started = time.perf_counter()
+                try:
                     self._pending.extend(self._pool.next())
+                finally:
+                    waited = time.perf_counter() - started
+                    self._stats.add_time("wait", waited)
+                self._runtime.consumer_waited(waited)
                 for _ in range(min(self._drop, len(self._pending))):
                     self._pending.popleft()
                 self._drop = 0

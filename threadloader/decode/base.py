@@ -202,6 +202,13 @@ class ImageDecoder(ABC):
             One entry per input; a sample that cannot be decoded is reported in ``errors``, never raised.
         """
 
+    def consumer_ahead(self, ahead: bool) -> None:  # noqa: B027  # most decoders decode one way only
+        """Told by a front end whether its consumer is the slower side (batches wait for it).
+
+        A decoder with several ways to decode may then choose the one that takes least from the
+        consumer (the GPU decoder's ``backend="auto"``) rather than the fastest.
+        """
+
     def close(self) -> None:  # noqa: B027  # most decoders hold nothing to let go of
         """Lets go of what the decoder holds (the GPU decoder's nvImageCodec Decoders, their memory).
 
