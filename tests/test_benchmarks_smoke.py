@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark harness: ``--quick`` on the CPU must run end to end and report."""
+"""Smoke tests of the benchmarks: ``--quick`` on the CPU must run end to end and report."""
 
 from __future__ import annotations
 
@@ -130,3 +130,20 @@ def test_training_variants_add_a_named_threadloader_row_after_each_default_one()
     assert report.training_key(variant)[2].endswith(", prefetch=4, backend='split'")
     assert not report.default_configuration(variant)
     assert report.default_configuration({"spec": dataclasses.asdict(specs[1]), "status": "ok"})
+
+
+def test_quick_sources_run_reports_every_source(tmp_path: Path) -> None:
+    pytest.importorskip("fsspec", reason="the URL rows need fsspec: pip install -e '.[remote]'")
+    from benchmarks.sources import SOURCES
+
+    out = tmp_path / "sources.json"
+    result = run_benchmark("benchmarks.sources", ["--quick", "--device", "cpu", "--out", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    summary = {row["source"]: row for row in report["summary"]}
+    assert list(summary) == list(SOURCES)
+    for source, row in summary.items():
+        assert row["runs"] == 1 and row["images_per_s"] > 0, (source, row)
+        assert ("index_s" in row) == source.startswith("tar"), (source, row)
+    assert all(row["images"] == 3 * 16 for row in report["rows"])  # 3 timed batches of 16
+    assert "| tar_memory |" in result.stdout
