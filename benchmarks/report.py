@@ -352,7 +352,7 @@ def labels(found: list[ResultFile]) -> list[str]:
 
 
 def training_table(found: list[ResultFile]) -> list[str]:
-    """One row per (step, pipeline, loader); a group of columns per file, side by side."""
+    """Each file's provenance, then one row per (step, pipeline, loader), a group of columns per file."""
     keys = list(dict.fromkeys(training_key(row) for result in found for row in result.rows))
     by_file = [{training_key(row): row for row in result.rows} for result in found]
     header = ["step", "pipeline", "loader"]
@@ -371,7 +371,7 @@ def training_table(found: list[ResultFile]) -> list[str]:
             cells += [cell(spread(row, "images_per_s"), ",.0f"), number(row.get("ratio"), ".2f", "x")]
             cells.append(number(100 * wait.median if wait else None, ".0f", "%"))
         body.append(cells)
-    return table(header, body)
+    return [*(line for result in found for line in provenance(result)), *table(header, body)]
 
 
 def training_chart(found: list[ResultFile]) -> Draw:
@@ -456,12 +456,7 @@ def training(results: Path, charts: bool) -> list[str]:
     if not found:
         return no_results("training*.json")
     draw = training_chart(found) if charts else None
-    lines = [line for result in found for line in provenance(result)]
-    return [
-        *lines,
-        *training_table(found),
-        *image(results, "training", "training step beside each loader", draw),
-    ]
+    return [*training_table(found), *image(results, "training", "training step beside each loader", draw)]
 
 
 def gil(results: Path, charts: bool) -> list[str]:
@@ -493,7 +488,7 @@ def cpu(results: Path, charts: bool) -> list[str]:
     lines += ["### Beside a training loop, on the CPU", ""]
     if not trainings:
         return lines + no_results("cpu-training*.json")
-    return lines + [line for result in trainings for line in provenance(result)] + training_table(trainings)
+    return lines + training_table(trainings)
 
 
 SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
