@@ -58,11 +58,6 @@ def test_the_missing_fsspec_message_names_the_remote_extras_package(monkeypatch:
     assert not BY_NAME.search(message), message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode/nvimgcodec (GPU decoding needs nvImageCodec), _device.py (CPUFallbackWarning, the CUDA "
-    "mismatch) and _tar.py's docstring still say pip install 'threadloader[...]': owned by others",
-)
 def test_no_library_message_installs_threadloader_by_name() -> None:
     found = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"

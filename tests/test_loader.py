@@ -808,7 +808,7 @@ def test_a_gpu_without_nvimagecodec_warns_loudly_and_decodes_on_the_cpu(
     assert made.device == torch.device("cpu")
     (warning,) = warned
     assert warning.filename == __file__  # pointing at the user's line, not the library's
-    assert "pip install 'threadloader[cu13]'" in str(warning.message) and "device='cpu'" in str(
+    assert "pip install 'nvidia-nvimgcodec-cu13[nvjpeg]'" in str(warning.message) and "device='cpu'" in str(
         warning.message
     )
     made.close()
@@ -973,7 +973,7 @@ def test_cuda_major_mismatch_between_codec_and_torch_is_named(
     (message,) = messages
     ours, theirs = int(torch_cuda.split(".")[0]), codec_cuda // 1000
     assert f"nvImageCodec is built for CUDA {theirs} but torch for CUDA {ours}" in message
-    assert f"threadloader[cu{ours}]" in message and f"nvidia-nvimgcodec-cu{theirs}" in message
+    assert f"nvidia-nvimgcodec-cu{ours}[nvjpeg]" in message and f"nvidia-nvimgcodec-cu{theirs}" in message
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_threads_past_the_cores_wait_for_the_first_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_workers, "_cores", lambda: 2)
+    monkeypatch.setattr(_workers, "available_cpus", lambda: 2)
     release, started = threading.Event(), threading.Event()
     taken: list[tuple[int, int]] = []  # (task, thread), as started
     lock = threading.Lock()
@@ -54,7 +54,7 @@ def test_threads_past_the_cores_wait_for_the_first_result(monkeypatch: pytest.Mo
 
 
 def test_a_pool_that_ends_before_its_first_result_ends_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_workers, "_cores", lambda: 1)
+    monkeypatch.setattr(_workers, "available_cpus", lambda: 1)
     pool: OrderedPool[int] = OrderedPool(
         tasks=iter([]), work=lambda t, i: t, num_threads=4, window=8, name="tl-empty"
     )

@@ -96,11 +96,6 @@ def test_two_interrupts_while_waiting_for_a_batch(tmp_path: Path) -> None:
     assert_one_interrupt_and_no_threads(interrupt_twice(tmp_path, "wait"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the iterator's close runs in _EpochIterator.__del__ (loader.py), where the second interrupt, "
-    "raised after the threads ended, is printed as 'Exception ignored': __del__ must suppress it",
-)
 def test_two_interrupts_in_the_loop_body(tmp_path: Path) -> None:
     """The first interrupt lands in the loop body: the dropped iterator closes its pool in ``__del__``."""
     assert_one_interrupt_and_no_threads(interrupt_twice(tmp_path, "body"))

@@ -13,17 +13,11 @@ import warnings
 
 import torch
 
+from ._workers import available_cpus
 from .decode.nvimgcodec import check_cuda_versions
 from .errors import CPUFallbackWarning
 
 __all__ = ["available_cpus", "resolve_device"]
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (respects affinity and container limits where the OS reports them)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def _nvimgcodec_installed() -> bool:
@@ -53,11 +47,15 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             return torch.device("cpu")
         if not _nvimgcodec_installed():
             major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-            extra = f"'threadloader[cu{major}]'" if major in (12, 13) else "'threadloader[cu12]' or '[cu13]'"
+            extra = (
+                f"'nvidia-nvimgcodec-cu{major}[nvjpeg]'"
+                if major in (12, 13)
+                else "'nvidia-nvimgcodec-cu13[nvjpeg]' (CUDA 13) or '-cu12[nvjpeg]' (CUDA 12)"
+            )
             warnings.warn(
                 "a CUDA GPU is available, but nvImageCodec is not installed, so images are decoded on the "
-                f"CPU: pip install {extra} to decode on the GPU, or pass device='cpu' to decode on the CPU "
-                "without this warning",
+                f"CPU: pip install {extra} (in a threadloader checkout: pip install -e '.[cu{major or 13}]') "
+                "to decode on the GPU, or pass device='cpu' to decode on the CPU without this warning",
                 CPUFallbackWarning,
                 stacklevel=4,  # the user's ThreadLoader(...) or BatchDecoder(...), through Runtime
             )

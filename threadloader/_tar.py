@@ -340,7 +340,7 @@ class TarShards:
         shards: A path or URL, a brace pattern (``"shards/{000000..000127}.tar"``, expanded as
             WebDataset does), a glob of local paths (``"shards/*.tar"``: the matching files, sorted by
             name), or a sequence of them. URLs are read through fsspec
-            (``pip install 'threadloader[remote]'``).
+            (``pip install 'fsspec[http]'``, the ``remote`` extra).
         image: Extension(s) of the image member, first match wins: ``"jpg"``, ``("jpg", "png")``
             or ``"jpg;png"``. Default: every extension :class:`ImageFolder` reads.
         target: ``"cls"`` (an integer in text), ``"txt"`` (a UTF-8 string), ``"json"`` (the parsed

@@ -37,7 +37,7 @@ import torch
 from ._cancel import Cancelled, bind_cancel
 from .errors import LoaderClosedError
 
-__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup", "WeakRegistry"]
+__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup", "WeakRegistry", "available_cpus"]
 
 T = TypeVar("T")
 
@@ -282,7 +282,7 @@ class OrderedPool(Generic[T]):
         self._end: int | None = None  # number of tasks, once the iterator is exhausted
         self._results: dict[int, tuple[bool, Any]] = {}
         self._closed_error: Callable[[], BaseException] | None = None  # set once, by the first close
-        self._eager = min(num_threads, _cores())  # threads that take tasks from the start
+        self._eager = min(num_threads, available_cpus())  # threads that take tasks from the start
         self._first_in = False  # the first task's result is in: every thread takes tasks
         self._group = ThreadGroup(
             name=name,
@@ -405,7 +405,7 @@ class OrderedPool(Generic[T]):
                 self._cv.notify_all()
 
 
-def _cores() -> int:
+def available_cpus() -> int:
     """CPUs this process may run on (its affinity where the OS reports it)."""
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))

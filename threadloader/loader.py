@@ -9,6 +9,7 @@ functions defined in a notebook work as they are.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import sys
@@ -406,7 +407,10 @@ class ThreadLoader:
         # would find the module globals it needs cleared (a free-threaded build frees objects that late).
         # Nor for a loader whose constructor raised.
         if not _finalizing() and getattr(self, "_iterators", None) is not None:
-            self.close()
+            # A second Ctrl-C during close() is raised after the threads have ended: from a finalizer it
+            # would only be printed ("Exception ignored"), the first one being on its way already.
+            with contextlib.suppress(KeyboardInterrupt):
+                self.close()
 
     def __repr__(self) -> str:
         return (
@@ -525,7 +529,8 @@ class _EpochIterator:
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         if not _finalizing() and getattr(self, "_pool", None) is not None:  # see ThreadLoader.__del__
-            self.close()
+            with contextlib.suppress(KeyboardInterrupt):
+                self.close()
 
 
 class _Progress:

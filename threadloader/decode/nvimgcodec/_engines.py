@@ -475,8 +475,10 @@ def import_nvimgcodec() -> ModuleType:
         from nvidia import nvimgcodec
     except ImportError as exc:
         raise ImportError(
-            "GPU decoding needs nvImageCodec: pip install 'threadloader[cu12]' (CUDA 12) or "
-            "'threadloader[cu13]' (CUDA 13), matching your torch build; or pass device='cpu'"
+            "GPU decoding needs nvImageCodec for your torch's CUDA (python -c \"import torch; "
+            "print(torch.version.cuda)\"): pip install 'nvidia-nvimgcodec-cu13[nvjpeg]' for CUDA 13, "
+            "'nvidia-nvimgcodec-cu12[nvjpeg]' for CUDA 12 (in a threadloader checkout: pip install -e "
+            "'.[cu13]' or '.[cu12]'); or pass device='cpu'"
         ) from exc
     return nvimgcodec
 

@@ -203,7 +203,7 @@ def check_cuda_versions() -> None:
     if codec is not None and ours is not None and codec != ours:
         logger.warning(
             "nvImageCodec is built for CUDA %d but torch for CUDA %d: GPU decoding may fail; install the "
-            "codec for torch's CUDA (pip install 'threadloader[cu%d]', then pip uninstall "
+            "codec for torch's CUDA (pip install 'nvidia-nvimgcodec-cu%d[nvjpeg]', then pip uninstall "
             "nvidia-nvimgcodec-cu%d) or a torch build for CUDA %d",
             codec,
             ours,
