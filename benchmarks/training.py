@@ -52,11 +52,7 @@ SIZED = {  # option: (full run, --quick, what it is)
     "steps": (20, 2, "steps per timed window"),
     "windows": (3, 3, "timed windows per row; the median is reported"),
     "row_timeout": (150.0, 120.0, "seconds before a row's process is stopped"),
-    "startup_pause": (
-        1.0,
-        0.0,
-        "seconds between building a loader and its first batch, as a script's set-up",
-    ),
+    "startup_pause": (1.0, 0.0, "seconds between building a loader and its first batch (a script's set-up)"),
 }
 
 
