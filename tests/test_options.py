@@ -71,7 +71,7 @@ def test_the_defaults_derive_what_the_user_left_unset(monkeypatch: pytest.Monkey
         ({"backend": "nvjpeg"}, ValueError, r"backend must be one of \['all', 'auto', .*got 'nvjpeg'"),
         ({"gpu_decoders": 0}, ValueError, "gpu_decoders must be an int of at least 1, got 0"),
         ({"gpu_decoders": "2"}, ValueError, "gpu_decoders must be an int of at least 1, got '2'"),
-        ({"decode_threads": 0}, ValueError, "decode_threads must be at least 1, got 0"),
+        ({"decode_threads": 0}, ValueError, "decode_threads must be an int of at least 1, got 0"),
         ({"num_threads": 0}, ValueError, "num_threads must be at least 1, got 0"),
         ({"jpeg_fancy_upsampling": 1}, TypeError, "jpeg_fancy_upsampling must be True or False, got 1"),
         ({"region_decode": "no"}, TypeError, "region_decode must be True, False or None, got 'no'"),

@@ -77,12 +77,12 @@ class Options:
         object.__setattr__(self, "transform", as_transform(self.transform))
         self.output_format()  # checks size, dtype, mean, std and channels_last
         _check_count("num_threads", self.num_threads)
-        _check_count("decode_threads", self.decode_threads)
-        check_options(backend=self.backend, gpu_decoders=self.gpu_decoders)
-        if not isinstance(self.jpeg_fancy_upsampling, bool):
-            raise TypeError(
-                f"jpeg_fancy_upsampling must be True or False, got {self.jpeg_fancy_upsampling!r}"
-            )
+        check_options(
+            backend=self.backend,
+            gpu_decoders=self.gpu_decoders,
+            decode_threads=self.decode_threads,
+            jpeg_fancy_upsampling=self.jpeg_fancy_upsampling,
+        )
         if self.region_decode not in (None, True, False):
             raise TypeError(f"region_decode must be True, False or None, got {self.region_decode!r}")
         if self.decoder is not None:

@@ -72,16 +72,33 @@ CAPI_ENV = "THREADLOADER_CAPI"
 logger = logging.getLogger("threadloader")
 
 
-def check_options(*, backend: str, gpu_decoders: object) -> None:
-    """Raises for a ``backend`` not in :data:`BACKENDS` or a ``gpu_decoders`` that is not a positive int.
+def check_options(
+    *,
+    backend: object,
+    gpu_decoders: object,
+    decode_threads: object = None,
+    jpeg_fancy_upsampling: object = True,
+    batch_size: object = DEFAULT_BATCH_SIZE,
+) -> None:
+    """Raises for a value a decoding option does not take, naming the option and what was got.
 
-    The one check of both, for this decoder and for a front end on the CPU, where they select nothing
-    but a script that passes them should fail the same way it would on a GPU.
+    The one check of each, for this decoder and for the front ends' options, on the CPU too, where
+    they select nothing but a script that passes them should fail the same way it would on a GPU.
+    ``decode_threads=None`` is the front ends' "derive it".
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    if isinstance(gpu_decoders, bool) or not isinstance(gpu_decoders, int) or gpu_decoders < 1:
-        raise ValueError(f"gpu_decoders must be an int of at least 1, got {gpu_decoders!r}")
+    _check_count("gpu_decoders", gpu_decoders)
+    if decode_threads is not None:
+        _check_count("decode_threads", decode_threads)
+    _check_count("batch_size", batch_size)
+    if not isinstance(jpeg_fancy_upsampling, bool):
+        raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int of at least 1, got {value!r}")
 
 
 #: Devices on which a decoder of this process has started nvImageCodec (its engine chosen and first
@@ -158,17 +175,19 @@ class NvImageCodecDecoder(ImageDecoder):
         engine: str | None = None,
         registry: DecoderRegistry = SHARED,
     ) -> None:
-        check_options(backend=backend, gpu_decoders=gpu_decoders)
+        check_options(
+            backend=backend,
+            gpu_decoders=gpu_decoders,
+            decode_threads=decode_threads,
+            jpeg_fancy_upsampling=jpeg_fancy_upsampling,
+            batch_size=batch_size,
+        )
+        if decode_threads is None:
+            raise ValueError("decode_threads must be an int of at least 1, got None")
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"NvImageCodecDecoder needs an indexed CUDA device, got {device}")
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES} or None, got {engine!r}")
-        if not isinstance(jpeg_fancy_upsampling, bool):
-            raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
-        if isinstance(decode_threads, bool) or not isinstance(decode_threads, int) or decode_threads < 1:
-            raise ValueError(f"decode_threads must be an int of at least 1, got {decode_threads!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int of at least 1, got {batch_size!r}")
         self.device = device
         self.backend = backend
         self.decode_threads = decode_threads
