@@ -38,6 +38,21 @@ def test_stage_profile_runs_and_reports_each_stage(tmp_path: Path) -> None:
     assert all("img/s" in line and "'transform'" in line for line in lines)
 
 
+def test_backends_measures_each_configuration_in_a_process_of_its_own(tmp_path: Path) -> None:
+    out = tmp_path / "backends.json"
+    configs = 'two={"device": "cpu", "num_threads": 2};one={"device": "cpu", "num_threads": 1}'
+    args = ["--sets", "fixed", "--configs", configs, "--count", "32", "--warm", "1", "--batches", "3"]
+    result = run_benchmark(
+        "benchmarks.tools.backends", [*args, "--batch-size", "8", "--out", str(out)], tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert [row["name"] for row in rows] == ["two", "one"], rows
+    for row in rows:
+        assert row["images_per_s"] > 0 and row["cpu_cores"] >= 0 and row["idle_cpu_s"] < 0.5, row
+        assert set(row["stage_ms_per_batch"]) >= {"read", "decode", "transform", "wait"}, row
+
+
 def test_training_benchmark_reports_each_row_against_the_fixed_input(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["--quick", "--device", "cpu", "--pipelines", "resize", "--loaders", "fixed_input,threadloader"]
