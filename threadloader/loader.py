@@ -98,12 +98,14 @@ class ThreadLoader:
         on_error: ``"raise"``: a bad sample raises :class:`SampleError` in the consumer at its batch.
             ``"skip"``: it is logged, counted in :meth:`stats` and left out of its batch (a batch left
             empty is not yielded).
-        backend: GPU decoding backend: ``"auto"`` (every nvImageCodec decoder but the JPEG engine,
-            which falls far behind beside a training step that keeps the GPU busy), ``"all"``
-            (nvImageCodec's choice per image, the JPEG engine first), ``"split"`` (the JPEG engine
+        backend: GPU decoding backend: ``"auto"`` (each decoder call on ``"all"`` or ``"cuda"``,
+            whichever has been decoding faster lately, and on ``"cuda"`` while the training step is
+            the slower side: beside a busy GPU the JPEG engine takes more from the step), ``"all"``
+            (nvImageCodec's choice per image, the JPEG engine first), ``"cuda"`` (every nvImageCodec
+            decoder but the JPEG engine: JPEGs on nvJPEG's CUDA decoder), ``"split"`` (the JPEG engine
             takes a fixed share of each batch, the CUDA decoder the rest, at once, as DALI's decoder
-            does), ``"hardware"`` (the JPEG engine), ``"cuda"``, ``"hybrid"`` (both nvJPEG's CUDA
-            decoder) or ``"cpu"`` (nvImageCodec's CPU decoder).
+            does), ``"hardware"`` (the JPEG engine), ``"hybrid"`` (nvJPEG's CUDA decoder alone) or
+            ``"cpu"`` (nvImageCodec's CPU decoder).
         decode_threads: nvImageCodec's own CPU threads per Decoder; default: the cores the readers leave
             free, shared by the Decoders they decode on at once (``gpu_decoders``, at most one per
             reader).
@@ -111,7 +113,8 @@ class ThreadLoader:
             backend, ``decode_threads``, whose default follows ``num_threads`` and ``gpu_decoders``),
             each called by one reader thread at a time; made only when the others are busy. Pools are
             process-wide, shared by loaders of one configuration, and random-crop regions have a pool
-            of their own. Default: 2, the fastest measured (docs/design.md). Ignored on the CPU.
+            of their own; a pool's Decoders are destroyed when the last loader using it is closed.
+            Default: 2, the fastest measured (docs/design.md). Ignored on the CPU.
         jpeg_fancy_upsampling: Upsample JPEG chroma smoothly, as Pillow and libjpeg do (the default), so
             GPU and CPU outputs agree. ``False`` (DALI's default) repeats each chroma sample instead:
             pixels at colour edges differ from Pillow's by a few levels, and the GPU's JPEG engine
