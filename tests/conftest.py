@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import http.client
 import io
+import json
 import os
 import struct
 import subprocess
@@ -16,11 +18,13 @@ import time
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from torch.utils.data import Dataset
 
 from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder, RegionOf, StageRecorder
 
@@ -75,6 +79,11 @@ def encode(array: np.ndarray, fmt: str = "JPEG", mode: str | None = None, **save
     out = io.BytesIO()
     image.save(out, fmt, **save)
     return out.getvalue()
+
+
+def distinct_jpegs(count: int, height: int, width: int, first_seed: int = 0) -> list[bytes]:
+    """``count`` small JPEGs, each from a seed of its own, so that a wrong sample shows in the pixels."""
+    return [encode(photo(height, width, seed=first_seed + i), quality=90) for i in range(count)]
 
 
 def with_orientation(array: np.ndarray, orientation: int) -> bytes:
@@ -193,6 +202,12 @@ def corpus() -> dict[str, bytes]:
     return jpeg_corpus()
 
 
+@pytest.fixture(scope="module")
+def refs(blobs: list[bytes]) -> list[np.ndarray]:
+    """Pillow's pixels of each of the module's ``blobs`` (a fixture of the module's own)."""
+    return [pil_reference(b) for b in blobs]
+
+
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     """root/<class>/<n>.jpg with 3 classes of 5, 4 and 3 images, 48x64 each."""
@@ -215,6 +230,22 @@ def resident_bytes() -> int:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class SlowSamples(Dataset):
+    """``(blob, index)`` after a short sleep, so that reader threads are mid-batch when the consumer
+    leaves. Scripts run by the tests import it too."""
+
+    def __init__(self, blobs: Sequence[bytes], delay: float = 0.005) -> None:
+        self.blobs = blobs
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        time.sleep(self.delay)
+        return self.blobs[index], index
 
 
 def reader_threads() -> list[threading.Thread]:
@@ -288,8 +319,9 @@ class GatedDecoder(ImageDecoder):
         return self._inner.decode(encoded, stream=stream, stats=stats)
 
 
-def run_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Runs ``text`` as a script, from the repository root, with this checkout first on the path."""
+def script_process(tmp_path: Path, text: str, *args: str) -> tuple[list[str], dict[str, Any]]:
+    """The command and ``subprocess`` keywords that run ``text`` as a script, from the repository root,
+    with this checkout first on the path (the script is written to ``tmp_path``)."""
     script = tmp_path / "script.py"
     script.write_text(text)
     root = Path(__file__).parents[1]
@@ -297,9 +329,24 @@ def run_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedPro
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
     }
-    return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=root, env=env
-    )
+    return [sys.executable, str(script), *args], {"text": True, "cwd": root, "env": env}
+
+
+def run_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``text`` as a script (see :func:`script_process`) to its end."""
+    command, options = script_process(tmp_path, text, *args)
+    return subprocess.run(command, capture_output=True, timeout=120, **options)
+
+
+def post_predict(port: int, body: bytes, *, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
+    """POSTs ``body`` to ``/predict`` on this machine's ``port`` (the example server): status, JSON body."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", "/predict", body)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
 
 
 def run_benchmark(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -7,15 +7,17 @@ import io
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
+import torch
 from hypothesis import strategies as st
 from PIL import Image
 
-from .conftest import encode, photo
+from threadloader import ThreadLoader
+
+from .conftest import encode, photo, script_process
 
 #: Bad samples that every decoder must turn into a SampleError, never a crash, a hang or an image.
 #: Each maker writes what it needs under ``root`` and returns the path (or bytes) to load.
@@ -124,8 +126,8 @@ MUTATIONS = {
 
 def exit_with_a_loader_open(tmp_path: Path, device: str) -> subprocess.CompletedProcess[str]:
     """Runs a script that starts an epoch, takes one batch and exits without closing anything."""
-    script = tmp_path / "leave_open.py"
-    script.write_text(
+    command, options = script_process(
+        tmp_path,
         textwrap.dedent(
             f"""
             from threadloader import ThreadLoader
@@ -137,16 +139,9 @@ def exit_with_a_loader_open(tmp_path: Path, device: str) -> subprocess.Completed
             next(iterator)
             print("started", flush=True)
             """
-        )
+        ),
     )
-    root = Path(__file__).parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=root, env=env
-    )
+    return subprocess.run(command, capture_output=True, timeout=60, **options)
 
 
 def _save(image: Image.Image, fmt: str, **options: object) -> bytes:
@@ -188,3 +183,12 @@ def expected_rgb(name: str, data: bytes) -> np.ndarray:
             gray = (np.asarray(image, dtype=np.uint32) >> 8).astype(np.uint8)
             return np.repeat(gray[..., None], 3, axis=2)
         return np.array(image.convert("RGB"))
+
+
+def load_other_format(name: str, device: str) -> tuple[torch.Tensor, np.ndarray]:
+    """The :func:`other_formats` case ``name`` through a loader on ``device``: the image, and its
+    :func:`expected_rgb`."""
+    data = other_formats()[name]
+    with ThreadLoader([(data, 0)], batch_size=1, device=device) as loader:
+        (images, _), *_ = list(loader)
+    return images[0], expected_rgb(name, data)

@@ -32,8 +32,8 @@ from .robustness_cases import (
     MUTATIONS,
     corrupted_entropy_jpeg,
     exit_with_a_loader_open,
-    expected_rgb,
     fifo_named_jpg,
+    load_other_format,
     mutate,
     other_formats,
     release_fifo,
@@ -102,12 +102,9 @@ def test_corrupted_entropy_data_does_not_crash() -> None:
 
 @pytest.mark.parametrize("name", sorted(other_formats()))
 def test_other_formats_follow_the_output_contract(name: str) -> None:
-    data = other_formats()[name]
-    with ThreadLoader([(data, 0)], batch_size=1, device="cpu") as loader:
-        (images, _), *_ = list(loader)
-    expected = expected_rgb(name, data)
-    assert tuple(images[0].shape) == (3, *expected.shape[:2])
-    assert mean_abs_diff(images[0], expected) == 0
+    image, expected = load_other_format(name, "cpu")
+    assert tuple(image.shape) == (3, *expected.shape[:2])
+    assert mean_abs_diff(image, expected) == 0
 
 
 def test_dataset_exception_is_a_sample_error() -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from threadloader._stats import StatsRecorder
 from threadloader._workers import OrderedPool
 from threadloader.decode import PillowDecoder
 
-from .conftest import encode, photo, pil_reference, reader_threads, run_script, wait_for_no_reader_threads
+from .conftest import SlowSamples, distinct_jpegs, reader_threads, run_script, wait_for_no_reader_threads
 
 H, W = 16, 24
 N = 40
@@ -31,32 +31,12 @@ N = 40
 
 @pytest.fixture(scope="module")
 def blobs() -> list[bytes]:
-    return [encode(photo(H, W, seed=i), quality=90) for i in range(N)]
-
-
-@pytest.fixture(scope="module")
-def refs(blobs: list[bytes]) -> list[np.ndarray]:
-    return [pil_reference(b) for b in blobs]
-
-
-class Slow(Dataset):
-    """(bytes, index) after a short sleep, so that threads are mid-batch when the consumer leaves."""
-
-    def __init__(self, blobs: list[bytes], delay: float = 0.005) -> None:
-        self.blobs = blobs
-        self.delay = delay
-
-    def __len__(self) -> int:
-        return len(self.blobs)
-
-    def __getitem__(self, index: int) -> tuple[bytes, int]:
-        time.sleep(self.delay)
-        return self.blobs[index], index
+    return distinct_jpegs(N, H, W)
 
 
 def make(blobs: list[bytes], **options) -> ThreadLoader:
     options = {"batch_size": 2, "num_threads": 3, "prefetch": 2, "device": "cpu", **options}
-    return ThreadLoader(Slow(blobs), **options)
+    return ThreadLoader(SlowSamples(blobs), **options)
 
 
 def assert_batch(images: torch.Tensor, targets: torch.Tensor, refs: list[np.ndarray], expected: list[int]):
@@ -106,16 +86,25 @@ def test_del_iterator_and_loader(blobs: list[bytes], refs: list[np.ndarray], ord
     assert_all_ended(before)
 
 
+def act_in_the_second_loop_body(loader: ThreadLoader, seen: list[list[int]], act: Callable[[], None]) -> None:
+    """Iterates ``loader``, each batch's targets into ``seen``, and calls ``act`` in the loop body of the
+    second batch."""
+    for _, targets in loader:
+        seen.append(targets.tolist())
+        if len(seen) == 2:
+            act()
+
+
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 def test_exception_in_the_loop_body(blobs: list[bytes], refs: list[np.ndarray], error: type) -> None:
+    def fail() -> None:
+        raise error("consumer failed")
+
     before = threading.active_count()
     loader = make(blobs)
-    seen = []
+    seen: list[list[int]] = []
     with pytest.raises(error, match="consumer failed"):
-        for _, targets in loader:
-            seen.append(targets.tolist())
-            if len(seen) == 2:
-                raise error("consumer failed")
+        act_in_the_second_loop_body(loader, seen, fail)
     assert seen == [[0, 1], [2, 3]]
     assert_all_ended(before)
     assert [t.tolist() for _, t in loader][:2] == [[0, 1], [2, 3]]  # a new pass still works
@@ -123,17 +112,17 @@ def test_exception_in_the_loop_body(blobs: list[bytes], refs: list[np.ndarray], 
 
 
 def test_close_mid_iteration(blobs: list[bytes]) -> None:
+    def close() -> None:
+        start = time.monotonic()
+        loader.close()
+        assert time.monotonic() - start < 1.0
+        assert reader_threads() == []
+
     before = threading.active_count()
     loader = make(blobs)
-    seen = []
+    seen: list[list[int]] = []
     with pytest.raises(LoaderClosedError, match="closed while this pass was running"):
-        for _, targets in loader:
-            seen.append(targets.tolist())
-            if len(seen) == 2:
-                start = time.monotonic()
-                loader.close()
-                assert time.monotonic() - start < 1.0
-                assert reader_threads() == []
+        act_in_the_second_loop_body(loader, seen, close)
     assert seen == [[0, 1], [2, 3]]  # the loop did not go on, nor end as if the epoch were complete
     assert_all_ended(before)
     loader.close()  # idempotent
@@ -622,27 +611,16 @@ def test_uncaught_exception_keeps_its_exit_code(tmp_path: Path) -> None:
 
 #: A daemon thread iterating a loader, epoch after epoch, while the main script ends with exit code 3.
 DAEMON_CONSUMER_SCRIPT = """
-import sys, threading, time
+import sys, threading
 from threadloader import ThreadLoader
-from tests.conftest import encode, photo
+from tests.conftest import SlowSamples, encode, photo
 
 JPEG = encode(photo(16, 24), quality=90)
-
-
-class Slow:
-    def __len__(self):
-        return 1000
-
-    def __getitem__(self, index):
-        time.sleep(0.005)
-        return JPEG, index
-
-
 started = threading.Event()
 
 
 def consume():
-    loader = ThreadLoader(Slow(), batch_size=2, num_threads=1, device="cpu")
+    loader = ThreadLoader(SlowSamples([JPEG] * 1000), batch_size=2, num_threads=1, device="cpu")
     for epoch in range(3):
         for images, _ in loader:
             started.set()

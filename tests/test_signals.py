@@ -3,7 +3,6 @@ repeats): one KeyboardInterrupt, and no reader thread left once it has propagate
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import pytest
 from threadloader._cancel import check_cancelled
 from threadloader._workers import OrderedPool, _uninterrupted
 
+from .conftest import script_process
+
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
 
 #: Iterates a slow CPU loader; the ``finally`` says which reader threads are still alive. ``argv[1]`` is
@@ -23,22 +24,12 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a chi
 SCRIPT = """
 import sys, threading, time
 from threadloader import ThreadLoader
-from tests.conftest import encode, photo
+from tests.conftest import SlowSamples, encode, photo
 
 JPEG = encode(photo(64, 64), quality=90)
 
-
-class Slow:
-    def __len__(self):
-        return 100000
-
-    def __getitem__(self, index):
-        time.sleep(0.02)
-        return JPEG, index
-
-
 try:
-    loader = ThreadLoader(Slow(), batch_size=4, num_threads=3, device="cpu")
+    loader = ThreadLoader(SlowSamples([JPEG] * 100000, delay=0.02), batch_size=4, num_threads=3, device="cpu")
     for i, _ in enumerate(loader):
         if i == 2:
             print("iterating", flush=True)
@@ -51,21 +42,8 @@ finally:
 
 def interrupt_twice(tmp_path: Path, where: str) -> subprocess.CompletedProcess[str]:
     """Runs :data:`SCRIPT` and sends it two SIGINTs 1 ms apart once it iterates."""
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    root = Path(__file__).parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    with subprocess.Popen(
-        [sys.executable, str(script), where],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=root,
-        env=env,
-    ) as process:
+    command, options = script_process(tmp_path, SCRIPT, where)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **options) as process:
         try:
             assert process.stdout is not None
             line = process.stdout.readline()
