@@ -40,7 +40,7 @@ from threadloader import (
 from threadloader.decode import PillowDecoder
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 
-from .conftest import encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
+from .conftest import distinct_jpegs, encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
 
 H, W = 32, 48
 N = 24
@@ -48,13 +48,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def blobs() -> list[bytes]:
-    """N small JPEGs, each different, so a wrong sample shows in the pixels."""
-    return [encode(photo(H, W, seed=100 + i), quality=90) for i in range(N)]
-
-
-@pytest.fixture(scope="module")
-def refs(blobs: list[bytes]) -> list[np.ndarray]:
-    return [pil_reference(b) for b in blobs]
+    return distinct_jpegs(N, H, W, first_seed=100)
 
 
 @pytest.fixture
@@ -78,6 +72,15 @@ def assert_pixels(images: torch.Tensor | list[torch.Tensor], refs: list[np.ndarr
 def epoch(loader: ThreadLoader) -> list[list[int]]:
     """One pass, as the list of target batches (targets are the sample indices)."""
     return [targets.tolist() for _, targets in loader]
+
+
+def checked_epoch(loader: ThreadLoader, refs: list[np.ndarray]) -> list[list[int]]:
+    """One pass, as :func:`epoch`, every image checked against its Pillow reference on the way."""
+    batches = []
+    for images, targets in loader:
+        assert_pixels(images, refs, targets.tolist())
+        batches.append(targets.tolist())
+    return batches
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -345,11 +348,7 @@ def test_shuffle_seed_is_reproducible_across_loaders_and_threads(
     orders = []
     for num_threads in (1, 2, 5):
         loader = ThreadLoader(indexed, batch_size=4, shuffle=True, seed=1234, num_threads=num_threads)
-        batches = []
-        for images, targets in loader:
-            assert_pixels(images, refs, targets.tolist())
-            batches.append(targets.tolist())
-        orders.append(batches)
+        orders.append(checked_epoch(loader, refs))
     assert orders[0] == orders[1] == orders[2]
     assert sorted(flat(orders[0])) == list(range(20))  # every index exactly once
     assert flat(orders[0]) != list(range(20))
@@ -404,11 +403,7 @@ def test_list_sampler(
 ) -> None:
     loader = ThreadLoader(indexed, batch_size=2, sampler=[5, 3, 3, 0, 19], drop_last=drop_last, num_threads=3)
     assert len(loader) == len(expected)
-    batches = []
-    for images, targets in loader:
-        assert_pixels(images, refs, targets.tolist())
-        batches.append(targets.tolist())
-    assert batches == expected
+    assert checked_epoch(loader, refs) == expected
 
 
 def test_subset_random_sampler_with_generator(indexed: list[tuple[bytes, int]]) -> None:
@@ -470,11 +465,7 @@ def test_batch_sampler(indexed: list[tuple[bytes, int]], refs: list[np.ndarray],
     expected = [list(b) for b in batch_sampler]
     loader = ThreadLoader(indexed, batch_sampler=batch_sampler, num_threads=3)
     assert len(loader) == len(expected)
-    batches = []
-    for images, targets in loader:
-        assert_pixels(images, refs, targets.tolist())
-        batches.append(targets.tolist())
-    assert batches == expected
+    assert checked_epoch(loader, refs) == expected
 
 
 @pytest.mark.parametrize(
@@ -1099,10 +1090,7 @@ def test_skip_leaves_bad_samples_out(
     loader = ThreadLoader(Holes(), batch_size=3, num_threads=num_threads, size=size, on_error="skip")
     assert len(loader) == 3
     with caplog.at_level(logging.WARNING, logger="threadloader"):
-        batches = []
-        for images, targets in loader:
-            assert_pixels(images, refs, targets.tolist())
-            batches.append(targets.tolist())
+        batches = checked_epoch(loader, refs)
     # Batch [3, 4, 5] is all bad: it is not yielded at all.
     assert batches == [[0, 2], [6, 7]]
     records = [r for r in caplog.records if r.name == "threadloader"]

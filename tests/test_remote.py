@@ -16,18 +16,17 @@ import pytest
 
 from threadloader import SampleError, ShardError, TarShards, ThreadLoader
 
-from .conftest import encode, photo, pil_reference
+from .conftest import distinct_jpegs, pil_reference
 from .test_tar import member_offset, sample, write_shard
 
 fsspec = pytest.importorskip("fsspec", reason="remote sources need fsspec: pip install -e '.[remote]'")
 
-H, W = 16, 24
 N = 8
 
 
 @pytest.fixture(scope="module")
 def blobs() -> list[bytes]:
-    return [encode(photo(H, W, seed=500 + i), quality=90) for i in range(N)]
+    return distinct_jpegs(N, 16, 24, first_seed=500)
 
 
 @pytest.fixture
@@ -185,13 +184,15 @@ class _PlainHandler(SimpleHTTPRequestHandler):
         pass
 
 
-def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[str]:
+def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[tuple[Path, str]]:
+    """Serves the new folder ``root`` over HTTP while the fixture lasts: ``(root, base URL)``."""
     pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install -e '.[remote]'")
+    root.mkdir()
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, name="test-http", daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -200,18 +201,12 @@ def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[str]
 
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    root = tmp_path / "www"
-    root.mkdir()
-    for url in _serve(root, _RangeHandler):
-        yield root, url
+    yield from _serve(tmp_path / "www", _RangeHandler)
 
 
 @pytest.fixture
 def plain_http(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    root = tmp_path / "plain"
-    root.mkdir()
-    for url in _serve(root, _PlainHandler):
-        yield root, url
+    yield from _serve(tmp_path / "plain", _PlainHandler)
 
 
 def test_http_files_and_a_missing_one(http: tuple[Path, str], blobs: list[bytes]) -> None:

@@ -26,7 +26,7 @@ import threadloader._tar
 from threadloader import SampleError, ShardError, TarMember, TarShards, ThreadLoader
 from threadloader._tar import expand_braces
 
-from .conftest import encode, photo, pil_reference, wait_for_no_reader_threads
+from .conftest import distinct_jpegs, encode, photo, pil_reference, wait_for_no_reader_threads
 
 H, W = 16, 24
 PER_SHARD = 6
@@ -38,7 +38,7 @@ Members = dict[str, bytes]
 
 @pytest.fixture(scope="module")
 def blobs() -> list[bytes]:
-    return [encode(photo(H, W, seed=300 + i), quality=90) for i in range(N)]
+    return distinct_jpegs(N, H, W, first_seed=300)
 
 
 def write_shard(path: Path, samples: list[tuple[str, Members]]) -> Path:
