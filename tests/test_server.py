@@ -24,7 +24,7 @@ import pytest
 
 from threadloader import LoaderClosedError, QueueFullError
 
-from .conftest import encode, photo
+from .conftest import encode, photo, post_predict
 from .robustness_cases import HEAP_ADDRESS
 
 HOST = "127.0.0.1"
@@ -87,13 +87,7 @@ def exchange(server: Any, raw: bytes) -> tuple[int, dict[str, Any]]:
 
 
 def post(server: Any, body: bytes) -> tuple[int, dict[str, Any]]:
-    connection = http.client.HTTPConnection(HOST, port_of(server), timeout=CLIENT_TIMEOUT)
-    try:
-        connection.request("POST", "/predict", body)
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
+    return post_predict(port_of(server), body, timeout=CLIENT_TIMEOUT)
 
 
 def png(width: int, height: int) -> bytes:

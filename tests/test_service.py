@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
-import http.client
 import json
 import queue
 import subprocess
@@ -26,15 +25,7 @@ from threadloader import BatchDecoder, LoaderClosedError, SampleError, ThreadLoa
 from threadloader.decode import PillowDecoder
 from threadloader.service import QueueFullError
 
-from .conftest import (
-    GatedDecoder,
-    encode,
-    gpu_mismatch,
-    header_only_png,
-    photo,
-    pil_reference,
-    reader_threads,
-)
+from .conftest import GatedDecoder, encode, gpu_mismatch, header_only_png, photo, post_predict, reader_threads
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 N = 48
@@ -44,11 +35,6 @@ N = 48
 def blobs() -> list[bytes]:
     """Small JPEGs of different sizes, so that a result given to the wrong caller cannot match."""
     return [encode(photo(16 + i % 5, 24 + i % 7, seed=i), quality=90) for i in range(N)]
-
-
-@pytest.fixture(scope="module")
-def refs(blobs: list[bytes]) -> list[np.ndarray]:
-    return [pil_reference(b) for b in blobs]
 
 
 def assert_image(image: torch.Tensor, ref: np.ndarray) -> None:
@@ -418,23 +404,13 @@ def _start_server(*options: str) -> tuple[subprocess.Popen[str], int]:
     return server, int(line.rsplit(":", 1)[1])
 
 
-def _post(port: int, body: bytes) -> tuple[int, dict[str, object]]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        connection.request("POST", "/predict", body)
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
-
-
 def test_example_server_and_load_test(tmp_path: Path) -> None:
     server, port = _start_server("--device", "cpu", "--mode", "batched")
     try:
-        status, answer = _post(port, encode(photo(60, 80), quality=90))
+        status, answer = post_predict(port, encode(photo(60, 80), quality=90))
         assert status == 200 and answer["shape"] == [3, 224, 224]
         assert "top5" in answer or isinstance(answer["checksum"], float)
-        status, answer = _post(port, b"not an image")
+        status, answer = post_predict(port, b"not an image")
         assert status == 400 and "is not an image this server decodes" in str(answer["error"])
         out = tmp_path / "load.json"
         load = [sys.executable, str(EXAMPLES / "loadtest.py"), "--port", str(port), "--seconds", "1"]
