@@ -170,19 +170,7 @@ def test_float_dtypes_are_exactly_uint8_over_255(
         reference = uint8_chw(references, name)
         expected = reference.float() / 255 if dtype != torch.float64 else reference.double() / 255
         assert_exactly(image, expected.to(dtype), name)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_float_is_uint8_over_255_to_one_ulp(
-    subset: dict[str, bytes], references: dict[str, np.ndarray], dtype: torch.dtype
-) -> None:
-    images = load_all(subset, dtype=dtype, num_threads=2)
-    for name, image in images.items():
-        assert image.dtype == dtype
-        reference = uint8_chw(references, name)
-        expected = reference.to(dtype) / 255
-        # resample_many sums the same weights in another order than interpolate: a few float32 ulps.
-        torch.testing.assert_close(image, expected, rtol=0, atol=max(torch.finfo(dtype).eps, 1e-6))
+        # Scaled back, every value rounds to its uint8 source, and none leaves [0, 1].
         assert torch.equal(to_uint8(image * 255), reference)
         assert image.min() >= 0.0 and image.max() <= 1.0
 
