@@ -11,26 +11,27 @@ from benchmarks.timeline import intersection_length, summarize, union_length
 MAIN, READER = 100, 200
 
 
-def _launch(correlation: int, ts: float, tid: int) -> dict[str, Any]:
-    return {
+def _launched(
+    correlation: int, *, by: int, at: float, start: float, dur: float, stream: int
+) -> list[dict[str, Any]]:
+    """A launch by thread ``by`` at ``at`` and its kernel on ``stream`` from ``start`` for ``dur``."""
+    launch = {
         "cat": "cuda_runtime",
         "name": "cudaLaunchKernel",
-        "ts": ts,
+        "ts": at,
         "dur": 2,
-        "tid": tid,
+        "tid": by,
         "args": {"correlation": correlation},
     }
-
-
-def _kernel(correlation: int, ts: float, dur: float, stream: int) -> dict[str, Any]:
-    return {
+    kernel = {
         "cat": "kernel",
         "name": "k",
-        "ts": ts,
+        "ts": start,
         "dur": dur,
         "tid": stream,
         "args": {"correlation": correlation, "stream": stream},
     }
+    return [launch, kernel]
 
 
 def test_union_and_intersection() -> None:
@@ -43,15 +44,11 @@ def test_union_and_intersection() -> None:
 def test_streams_roles_overlap_and_queueing() -> None:
     events = [
         # training stream 7: kernels 0-100 and 100-200, launched by the main thread at 0 and 10
-        _launch(1, 0, MAIN),
-        _kernel(1, 0, 100, 7),
-        _launch(2, 10, MAIN),
-        _kernel(2, 100, 100, 7),
+        *_launched(1, by=MAIN, at=0, start=0, dur=100, stream=7),
+        *_launched(2, by=MAIN, at=10, start=100, dur=100, stream=7),
         # reader stream 20: launched at 50 and 60, started at 150 (queued 100) and 250 (queued 190)
-        _launch(3, 50, READER),
-        _kernel(3, 150, 100, 20),
-        _launch(4, 60, READER),
-        _kernel(4, 250, 50, 20),
+        *_launched(3, by=READER, at=50, start=150, dur=100, stream=20),
+        *_launched(4, by=READER, at=60, start=250, dur=50, stream=20),
         # a decoder's own stream with no launch in the trace: loader, not matched
         {"cat": "gpu_memcpy", "ts": 400, "dur": 10, "args": {"stream": 30}},
         {"cat": "cpu_op", "ts": 0, "dur": 500, "tid": MAIN, "args": {}},
@@ -71,12 +68,9 @@ def test_streams_roles_overlap_and_queueing() -> None:
 
 def test_a_stream_launched_mostly_by_readers_is_the_loaders() -> None:
     events = [
-        _launch(1, 0, MAIN),
-        _kernel(1, 0, 1, 9),
-        _launch(2, 0, READER),
-        _kernel(2, 1, 1, 9),
-        _launch(3, 0, READER),
-        _kernel(3, 2, 1, 9),
+        *_launched(1, by=MAIN, at=0, start=0, dur=1, stream=9),
+        *_launched(2, by=READER, at=0, start=1, dur=1, stream=9),
+        *_launched(3, by=READER, at=0, start=2, dur=1, stream=9),
     ]
     assert [s.role for s in summarize(events, main_tid=MAIN).streams] == ["loader"]
 
