@@ -29,10 +29,13 @@ import traceback
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import PIL
 import torch
+
+if TYPE_CHECKING:
+    from threadloader import ThreadLoader
 
 T = TypeVar("T")
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -222,6 +225,34 @@ def take(stream: Iterator[Batch], step: Step, count: int) -> tuple[int, float]:
     return images, waited
 
 
+def proc_stat(path: Path) -> tuple[list[str], float] | None:
+    """A process's or thread's ``/proc/.../stat`` (Linux): its fields and the CPU seconds they count.
+
+    The fields are those after the command name; the seconds, user and system. ``None`` where the
+    process or thread ended before it was read.
+    """
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # the command name may contain spaces
+    return fields, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of each thread of this process, with its name, from /proc (Linux)."""
+    seconds = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        read = proc_stat(task / "stat")
+        if read is not None:
+            seconds[int(task.name)] = (name, read[1])
+    return seconds
+
+
 def cpu_seconds() -> float:
     """CPU time of this process, its reaped children and its live descendants.
 
@@ -232,18 +263,15 @@ def cpu_seconds() -> float:
         r.ru_utime + r.ru_stime
         for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
     )
-    tick = os.sysconf("SC_CLK_TCK")
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # exited while scanning
+        read = proc_stat(stat)
+        if read is None:  # exited while scanning
             continue
-        fields = text[text.rfind(")") + 2 :].split()  # the command name may contain spaces
         pid = int(stat.parent.name)
-        parent[pid] = int(fields[1])
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+        parent[pid] = int(read[0][1])
+        cpu[pid] = read[1]
     found: set[int] = set()
     frontier = {os.getpid()}
     while frontier:
@@ -363,6 +391,16 @@ def write_results(out: Path, name: str, text: str, dump: dict[str, Any]) -> None
 
 
 # --- ThreadLoader rows ------------------------------------------------------------------------------
+
+
+def shuffled_threadloader(source: Any, **options: Any) -> ThreadLoader:
+    """A ThreadLoader as the benchmarks read a training set: shuffled, in one order, to float32.
+
+    ``seed=0``: every run reads the same images in the same order. ``options``: the rest of the row's.
+    """
+    from threadloader import ThreadLoader
+
+    return ThreadLoader(source, shuffle=True, seed=0, dtype=torch.float32, **options)
 
 
 def endless(loader: Iterable[T]) -> Generator[T, None, None]:

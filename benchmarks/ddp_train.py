@@ -48,10 +48,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, shuffled_threadloader
 from benchmarks.datasets import SETS, ensure_dataset, list_images
+from benchmarks.loaders import augmentation
 from threadloader import ThreadLoader
-from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
 
 CLASSES = 10  # benchmarks.datasets deals images into ten class folders
 Batches = Generator[tuple[Any, Any], None, None]
@@ -150,20 +150,17 @@ def make_loader(
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cpus = len(os.sched_getaffinity(0))  # the cores this process may use, shared by the node's ranks
     decode_threads = args.decode_threads or max(1, cpus // local_ranks - (args.threads or 2))
-    return ThreadLoader(
+    return shuffled_threadloader(
         [(path, (label, index)) for index, (path, label) in enumerate(files)],
         batch_size=args.batch_size,
-        shuffle=True,
-        seed=0,
         drop_last=True,
         device=device,
         num_threads=args.threads,
         decode_threads=decode_threads,
-        dtype=torch.float32,
         mean=IMAGENET_MEAN,
         std=IMAGENET_STD,
         channels_last=True,
-        transform=[RandomResizedCrop(args.size), RandomHorizontalFlip()],
+        transform=augmentation(args.size),
     )
 
 

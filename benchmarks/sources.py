@@ -142,17 +142,10 @@ def threadloader_over(
     index_seconds: dict[str, float],
 ) -> Generator[Batch, None, None]:
     """A shuffled ThreadLoader over the source, epochs cycled; records a tar source's index time."""
-    from threadloader import TarShards, ThreadLoader
+    from threadloader import TarShards
 
-    with ThreadLoader(
-        make_source(),
-        batch_size=batch_size,
-        shuffle=True,
-        seed=0,
-        num_threads=num_threads,
-        size=size,
-        dtype=torch.float32,
-        device=device,
+    with common.shuffled_threadloader(
+        make_source(), batch_size=batch_size, num_threads=num_threads, size=size, device=device
     ) as loader:
         if isinstance(loader.source, TarShards):
             index_seconds["index_s"] = loader.source.index_seconds

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -29,26 +28,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless, shuffled_threadloader, thread_cpu
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
-from threadloader import ThreadLoader
 
 DEFAULT_CONFIGS = 'auto={};all={"backend": "all"};cuda={"backend": "cuda"}'
-
-
-def thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of each thread of this process, with its name, from /proc (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    seconds = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        seconds[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return seconds
 
 
 def busiest(
@@ -78,10 +61,13 @@ def row(
     free = torch.cuda.mem_get_info()[0] if cuda else 0
     size = OUTPUT_SIZE[set_name]
     normalize: dict[str, Any] = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD} if set_name == "varied" else {}
-    loader = ThreadLoader(
+    loader = shuffled_threadloader(
         list_images(ensure_dataset(set_name, count=count)),
-        batch_size=batch_size, shuffle=True, seed=0, size=size, dtype=torch.float32, **normalize, **options,
-    )  # fmt: skip
+        batch_size=batch_size,
+        size=size,
+        **normalize,
+        **options,
+    )
     stream = endless(loader)
     for _ in range(warm):
         next(stream)

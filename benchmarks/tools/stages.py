@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless, sync
+from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless, shuffled_threadloader, sync
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
-from threadloader import ThreadLoader
-from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop
+from benchmarks.loaders import augmentation
+from threadloader.transforms import RandomResizedCrop
 
 
 def loader_row(
@@ -30,22 +30,12 @@ def loader_row(
     """Runs one loader configuration and describes its throughput and stages."""
     size = OUTPUT_SIZE[set_name]
     options = (
-        {
-            "transform": [RandomResizedCrop(size), RandomHorizontalFlip()],
-            "mean": IMAGENET_MEAN,
-            "std": IMAGENET_STD,
-        }
+        {"transform": augmentation(size), "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
         if augment
         else {"size": size}
     )
-    with ThreadLoader(
-        root,
-        batch_size=32,
-        shuffle=True,
-        num_threads=threads,
-        dtype=torch.float32,
-        region_decode=region,
-        **options,
+    with shuffled_threadloader(
+        root, batch_size=32, num_threads=threads, region_decode=region, **options
     ) as loader:
         stream, device = endless(loader), loader.device.type
         for _ in range(10):
