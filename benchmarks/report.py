@@ -1,9 +1,10 @@
-"""The tables and charts of benchmark results: docs/benchmarks.md, its charts and the README's figures.
+"""The tables and charts of benchmark results: docs/benchmarks.md, its charts and the docs' figures.
 
 ``python -m benchmarks.report`` rewrites docs/benchmarks.md (the prose of ``report_page.md``, a
-``{{name}}`` line where each section's tables go), its charts and the README's generated blocks from
-``docs/results/*.json``; ``--check`` fails where they differ from what the JSON gives. The entry points
-write a run's own ``.md`` and ``.png`` with the same functions, from the JSON they write.
+``{{name}}`` line where each section's table goes), its charts and the generated blocks of README.md
+and docs/guide.md (between ``<!-- report:NAME -->`` markers) from ``docs/results/*.json``; ``--check``
+fails where they differ from what the JSON gives. The entry points write a run's own ``.md`` and
+``.png`` with the same functions, from the JSON they write.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
 TEMPLATE = Path(__file__).with_name("report_page.md")
 BLOCK = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report -->)", re.DOTALL)
-"""A generated block in README.md; its name is a key of :data:`SNIPPETS`."""
+"""A generated block in README.md or docs/guide.md; its name is a key of :data:`SNIPPETS`."""
 
 LOADER_LABELS = {
     "fixed_input": "fixed input",
@@ -204,42 +206,67 @@ def short_title(result: ResultFile) -> str:
     return "augment" if result.config.get("augment") else str(result.config.get("set", "?"))
 
 
-def throughput_tables(found: list[ResultFile]) -> list[str]:
-    """A table per result: img/s, ms per batch, CPU cores (and CPU ms per image on a CPU), vs PIL."""
-    lines = []
-    for result in found:
-        cpu_time = result.config.get("device") == "cpu"
-        ratio = any(r.get("ratio_vs_pil") is not None for r in result.rows)
-        header = ["loader", "img/s, median (min-max)", "ms/batch", "CPU cores"]
-        header += ["CPU ms/image"] * cpu_time + ["vs PIL"] * ratio + ["note"]
-        body = []
+TAGS = {"busy": "one core busy"}
+"""Words for a file's tag (``cpu-throughput-one-core-busy.json``), where its name alone says too little."""
+
+
+def tag(result: ResultFile) -> str:
+    """What sets a file apart from others of its kind: the last word of its name (``idle``, ``3.13t``)."""
+    word = result.path.stem.rsplit("-", 1)[-1]
+    return TAGS.get(word, word)
+
+
+def file_labels(found: list[ResultFile], title: Callable[[ResultFile], str]) -> list[str]:
+    """Each file's ``title``; with its tag where two share one."""
+    names = [title(result) for result in found]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{name}, {tag(result)}" for name, result in zip(names, found, strict=True)]
+
+
+def throughput_tables(found: list[ResultFile], *, page: bool = False) -> list[str]:
+    """One table of every file's rows: img/s, ms per batch, CPU cores (and CPU ms per image on a CPU), vs PIL.
+
+    A column for the set where there are several files. A run's own page: the set as the heading, the
+    provenance above the table; ``page`` (a section of docs/benchmarks.md): the table, then each file's
+    provenance.
+    """
+    if not found:
+        return []
+    several = len(found) > 1
+    cpu_time = any(result.config.get("device") == "cpu" for result in found)
+    ratio = any(r.get("ratio_vs_pil") is not None for result in found for r in result.rows)
+    header = ["set"] * several + ["loader", "img/s, median (min-max)", "ms/batch", "CPU cores"]
+    header += ["CPU ms/image"] * cpu_time + ["vs PIL"] * ratio + ["note"]
+    body = []
+    for result, label in zip(found, file_labels(found, set_title), strict=True):
         for r in result.rows:
-            cells = [r["name"], cell(spread(r, "images_per_s"), ",.0f"), number(r.get("ms_per_batch"), ".1f")]
-            cells.append(number(r.get("cpu_cores"), ".1f"))
+            cells = [label] * several + [r["name"], cell(spread(r, "images_per_s"), ",.0f")]
+            cells += [number(r.get("ms_per_batch"), ".1f"), number(r.get("cpu_cores"), ".1f")]
             if cpu_time:
                 per_image = [
-                    1000 * x["cpu_cores"] / x["images_per_s"] for x in r["repeats"] if x["images_per_s"]
+                    1000 * x["cpu_cores"] / x["images_per_s"]
+                    for x in r.get("repeats", [])
+                    if x.get("images_per_s") and x.get("cpu_cores") is not None
                 ]
                 cells.append(cell(Spread.of(per_image), ".1f"))
             cells += [number(r.get("ratio_vs_pil"), ".2f", "x")] * ratio + [note(r)]
             body.append(cells)
-        lines += [f"### {set_title(result)}", "", *provenance(result), *table(header, body)]
-    return lines
+    sources = [line for result in found for line in provenance(result)]
+    if page:
+        return [*table(header, body), *sources]
+    heading = [] if several else [f"### {set_title(found[0])}", ""]
+    return [*heading, *sources, *table(header, body)]
 
 
 def throughput_chart(found: list[ResultFile], title: str) -> Draw:
     def draw(path: Path) -> None:
         fig = figure(sum(len(r.rows) + 2 for r in found), 1)  # one panel above the other
         axes = fig.subplots(len(found), 1, squeeze=False, height_ratios=[len(r.rows) + 1 for r in found])
-        for ax, result in zip(axes[:, 0], found, strict=True):
+        titles = file_labels(found, set_title)
+        for ax, result, panel in zip(axes[:, 0], found, titles, strict=True):
             ok = [r for r in result.rows if r.get("images_per_s") is not None]
-            bars(
-                ax,
-                [r["name"] for r in ok],
-                [spread(r, "images_per_s") for r in ok],
-                set_title(result),
-                "tab:blue",
-            )
+            bars(ax, [r["name"] for r in ok], [spread(r, "images_per_s") for r in ok], panel, "tab:blue")
         fig.suptitle(f"{title}: median over processes, whiskers min to max")
         save(fig, path)
 
@@ -270,45 +297,30 @@ def _startup_label(measure: str) -> str:
 
 
 def memory_tables(runs: list[ResultFile], trainings: list[ResultFile]) -> list[str]:
-    """Extra GPU memory and start-up of every row that measured them."""
-    lines: list[str] = []
-    if runs:
-        starts = startup_measures([r for result in runs for r in result.rows])
-        header = ["set", "loader", "extra GPU MB (device)", "torch reserved MB", *map(_startup_label, starts)]
-        body = [
-            [set_title(result), r["name"]]
-            + [cell(spread(r, m), ",.0f") for m in ("extra_gpu_mb", "torch_reserved_mb")]
-            + [cell(spread(r, s), ".2f") for s in starts]
-            for result in runs
-            for r in result.rows
-        ]
-        lines += ["`benchmarks.run` (files in the throughput section):", "", *table(header, body)]
-    if trainings:
-        rows = [
-            (label, r)
-            for result, label in zip(trainings, labels(trainings), strict=True)
-            for r in result.rows
-        ]
-        rows = [(label, r) for label, r in rows if r["spec"]["loader"] != "fixed_input"]
-        starts = startup_measures([r for _, r in rows])
-        header = [
-            "interpreter",
-            "step",
-            "pipeline",
-            "loader",
-            "extra GPU MB (device)",
-            "extra GPU MB (torch peak)",
-        ]
-        body = [
-            [label, *training_key(r)]
-            + [number(r.get(m), ",.0f") for m in ("extra_device_mb", "extra_torch_peak_mb")]
-            + [number(r.get(s), ".2f") for s in starts]
-            for label, r in rows
-            if r["status"] == "ok"
-        ]
-        header += map(_startup_label, starts)
-        lines += ["`benchmarks.training` (files in the training section):", "", *table(header, body)]
-    return lines
+    """One table: extra GPU memory and start-up of every row that measured them, of either entry point."""
+    entries: list[tuple[str, str, Json, bool]] = []  # run, loader, row, whether a benchmarks.run row
+    for result in runs:
+        entries += [(f"`benchmarks.run`: {set_title(result)}", r["name"], r, True) for r in result.rows]
+    for result, label in zip(trainings, labels(trainings), strict=True):
+        for r in result.rows:
+            if r["spec"]["loader"] == "fixed_input" or r["status"] != "ok":
+                continue
+            step, pipeline, loader = training_key(r)
+            entries.append((f"`benchmarks.training`: {label}, {step} step, {pipeline}", loader, r, False))
+    if not entries:
+        return []
+    starts = startup_measures([r for _, _, r, _ in entries])
+    header = ["run", "loader", "extra GPU MB (device)", "torch MB (reserved; training: peak over the step's)"]
+    body = []
+    for run, loader, r, measured_by_run in entries:
+        if measured_by_run:
+            memory = [cell(spread(r, m), ",.0f") for m in ("extra_gpu_mb", "torch_reserved_mb")]
+            times = [cell(spread(r, m), ".2f") for m in starts]
+        else:
+            memory = [number(r.get(m), ",.0f") for m in ("extra_device_mb", "extra_torch_peak_mb")]
+            times = [number(r.get(m), ".2f") for m in starts]
+        body.append([run, loader, *memory, *times])
+    return table([*header, *map(_startup_label, starts)], body)
 
 
 def memory_chart(runs: list[ResultFile]) -> Draw:
@@ -345,14 +357,14 @@ def training_key(row: Json) -> tuple[str, str, str]:
 
 def labels(found: list[ResultFile]) -> list[str]:
     """Each file's interpreter; with the file name where two share one."""
-    names = [r.interpreter for r in found]
-    if len(set(names)) == len(names):
-        return names
-    return [f"{name}, {result.path.name}" for name, result in zip(names, found, strict=True)]
+    return file_labels(found, lambda result: result.interpreter)
 
 
-def training_table(found: list[ResultFile]) -> list[str]:
-    """Each file's provenance, then one row per (step, pipeline, loader), a group of columns per file."""
+def training_table(found: list[ResultFile], *, page: bool = False) -> list[str]:
+    """One row per (step, pipeline, loader), a group of columns per file.
+
+    Each file's provenance above the table, or under it (``page``).
+    """
     keys = list(dict.fromkeys(training_key(row) for result in found for row in result.rows))
     by_file = [{training_key(row): row for row in result.rows} for result in found]
     header = ["step", "pipeline", "loader"]
@@ -371,7 +383,8 @@ def training_table(found: list[ResultFile]) -> list[str]:
             cells += [cell(spread(row, "images_per_s"), ",.0f"), number(row.get("ratio"), ".2f", "x")]
             cells.append(number(100 * wait.median if wait else None, ".0f", "%"))
         body.append(cells)
-    return [*(line for result in found for line in provenance(result)), *table(header, body)]
+    sources = [line for result in found for line in provenance(result)]
+    return [*table(header, body), *sources] if page else [*sources, *table(header, body)]
 
 
 def training_chart(found: list[ResultFile]) -> Draw:
@@ -411,33 +424,42 @@ def training_chart(found: list[ResultFile]) -> Draw:
 
 
 def _rate(row: Json, window: str) -> str:
-    """A load's images/s: "—" where it counts none, an empty window said as such."""
+    """A load's images/s: "—" where it counts none, an empty window said as such, never a silent 0."""
     rate, images, seconds = (row.get(f"{k}_{window}") for k in ("images_per_s", "images", "seconds"))
     if rate is None:
         return "—"
-    if images == 0:
+    if images == 0 or (images is None and rate == 0):  # files from before the counts say only the rate
         return "none in the window" if seconds is None else f"none in {seconds:.2g} s"
     return f"{rate:,.0f}"
 
 
-def gil_tables(found: list[ResultFile]) -> list[str]:
-    """The main thread's delay per image loaded, a table per file (``benchmarks.gil``)."""
-    header = ["switch interval ms", "background", "ops", "us/op alone", "us/op beside", "slowdown"]
-    header += ["loader img/s alone", "delay us/image"]
-    lines = []
-    for result, label in zip(found, labels(found), strict=True):
-        body = [
-            [number(r["switch_interval_ms"], "g"), r["background"], r["ops"]]
-            + [number(r[k], ".2f") for k in ("op_us_alone", "op_us_beside")]
-            + [
-                number(r.get("slowdown"), ".1f", "x"),
-                _rate(r, "alone"),
-                number(r.get("delay_us_per_image"), ",.0f"),
-            ]
-            for r in result.rows
+def gil_tables(found: list[ResultFile], *, page: bool = False) -> list[str]:
+    """The main thread's delay per image loaded (``benchmarks.gil``), in one table.
+
+    A column for the interpreter where there are several files; each file's provenance above the table,
+    or under it (``page``).
+    """
+    if not found:
+        return []
+    several = len(found) > 1
+    header = ["interpreter"] * several + ["switch interval ms", "background", "ops", "us/op alone"]
+    header += ["us/op beside", "slowdown", "loader img/s alone", "delay us/image"]
+    body = [
+        [label] * several
+        + [number(r["switch_interval_ms"], "g"), r["background"], r["ops"]]
+        + [number(r[k], ".2f") for k in ("op_us_alone", "op_us_beside")]
+        + [
+            number(r.get("slowdown"), ".1f", "x"),
+            _rate(r, "alone"),
+            number(r.get("delay_us_per_image"), ",.0f"),
         ]
-        lines += [f"#### {label}", "", *provenance(result), *table(header, body)]
-    return lines
+        for result, label in zip(found, labels(found), strict=True)
+        for r in result.rows
+    ]
+    sources = [line for result in found for line in provenance(result)]
+    if page:
+        return [*table(header, body), *sources]
+    return [*sources, *table(header, body)]
 
 
 # --- docs/benchmarks.md -----------------------------------------------------------------------------
@@ -448,7 +470,7 @@ def throughput(results: Path, charts: bool) -> list[str]:
     if not found:
         return no_results("throughput-*.json")
     draw = throughput_chart(found, "images/s") if charts else None
-    return [*throughput_tables(found), *image(results, "throughput", "images/s per loader", draw)]
+    return [*throughput_tables(found, page=True), *image(results, "throughput", "images/s per loader", draw)]
 
 
 def training(results: Path, charts: bool) -> list[str]:
@@ -456,17 +478,13 @@ def training(results: Path, charts: bool) -> list[str]:
     if not found:
         return no_results("training*.json")
     draw = training_chart(found) if charts else None
-    return [*training_table(found), *image(results, "training", "training step beside each loader", draw)]
+    chart = image(results, "training", "training step beside each loader", draw)
+    return [*training_table(found, page=True), *chart]
 
 
 def gil(results: Path, charts: bool) -> list[str]:
-    """Tables only: a chart of a few numbers says less than the table."""
-    found = load(results, "gil-delay*.json")
-    return [
-        "### Main-thread delay per image loaded",
-        "",
-        *(gil_tables(found) or no_results("gil-delay*.json")),
-    ]
+    """A table only: a chart of a few numbers says less than the table."""
+    return gil_tables(load(results, "gil-delay*.json"), page=True) or no_results("gil-delay*.json")
 
 
 def memory(results: Path, charts: bool) -> list[str]:
@@ -480,15 +498,17 @@ def memory(results: Path, charts: bool) -> list[str]:
 
 
 def cpu(results: Path, charts: bool) -> list[str]:
-    runs, trainings = load(results, "cpu-throughput*.json"), load(results, "cpu-training*.json")
-    lines = throughput_tables(runs) if runs else no_results("cpu-throughput*.json")
-    if runs:
-        draw = throughput_chart(runs, "images/s on the CPU") if charts else None
-        lines += image(results, "cpu", "images/s per loader on the CPU", draw)
-    lines += ["### Beside a training loop, on the CPU", ""]
-    if not trainings:
-        return lines + no_results("cpu-training*.json")
-    return lines + training_table(trainings)
+    runs = load(results, "cpu-throughput*.json")
+    if not runs:
+        return no_results("cpu-throughput*.json")
+    draw = throughput_chart(runs, "images/s on the CPU") if charts else None
+    chart = image(results, "cpu", "images/s per loader on the CPU", draw)
+    return [*throughput_tables(runs, page=True), *chart]
+
+
+def cpu_training(results: Path, charts: bool) -> list[str]:
+    found = load(results, "cpu-training*.json")
+    return training_table(found, page=True) if found else no_results("cpu-training*.json")
 
 
 SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
@@ -497,6 +517,7 @@ SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
     "gil": gil,
     "memory": memory,
     "cpu": cpu,
+    "cpu_training": cpu_training,
 }
 """Each ``{{name}}`` line of the page's prose, and what replaces it."""
 
@@ -526,10 +547,10 @@ def default_configuration(row: Json) -> bool:
 
 
 def training_summary(results: Path) -> str:
-    """The README's table: each loader's step speed against the fixed input, per step kind."""
+    """docs/guide.md's table: each loader's step speed over the fixed input's, per step and interpreter."""
     found = load(results, "training*.json")
     if not found:
-        return "No training results yet (docs/benchmarks.md).\n"
+        return "No training results yet (benchmarks.md).\n"
     loaders = list(dict.fromkeys(
         r["spec"]["loader"] for f in found for r in f.rows if r["spec"]["loader"] != "fixed_input"
     ))  # fmt: skip
@@ -558,36 +579,120 @@ def training_summary(results: Path) -> str:
     where = f"an {hw['gpu']}" if hw.get("gpu") else "a CPU"
     lead = (
         f"Measured on {where} ({model}, batch {config.get('batch_size')}, bf16, varied "
-        "photos resized or randomly cropped to 224; [docs/benchmarks.md](docs/benchmarks.md)):"
+        "photos resized or randomly cropped to 224; [benchmarks.md](benchmarks.md)):"
     )
     return "\n".join(
         [textwrap.fill(lead, 104), "", *table(["step", *header, "extra GPU memory, ThreadLoader"], body)]
     )
 
 
-SNIPPETS: dict[str, Callable[[Path], str]] = {"training-summary": training_summary}
+def _machine(result: ResultFile) -> str:
+    hw = result.hardware
+    return str(hw["gpu"]) if hw.get("gpu") else f"{hw.get('cpus_usable', hw.get('cpus'))} CPU cores, no GPU"
 
 
-def readme(text: str, results: Path = RESULTS) -> str:
-    """``text`` with each ``<!-- report:NAME -->`` block rewritten from the results."""
+def short_set(result: ResultFile) -> str:
+    """A ``benchmarks.run`` result's work in a few words: the README's rows."""
+    config = result.config
+    side = str(config.get("output_size", "?")).split("x")[0]
+    if config.get("augment"):
+        return f"photos, random crops to {side} + flip"
+    if config.get("set") == "fixed":
+        return f"{config.get('output_size', '?')} JPEGs"
+    return f"photos resized to {side}"
+
+
+def _default_row(result: ResultFile, loader: str) -> Json | None:
+    """A ``benchmarks.run`` file's row of ``loader`` as a user's would run (ThreadLoader's default one)."""
+    for row in result.rows:
+        default = loader != "threadloader" or row["name"].startswith("threadloader default threads")
+        if row.get("loader") == loader and default and row.get("status", "ok") == "ok":
+            return row
+    return None
+
+
+SUMMARY_LOADERS = {"threadloader": "ThreadLoader", "pil_dataloader": "DataLoader", "dali": "DALI"}
+"""The README's columns: the loaders a user compares, by their rows in the results."""
+
+
+def _summary_throughput(found: list[ResultFile]) -> list[list[str]]:
+    """The README's rows of ``benchmarks.run`` files: each loader's images/s alone."""
+    rows = []
+    tagged = len({short_set(result) for result in found}) < len(found)
+    for result in found:
+        cells = []
+        for loader in SUMMARY_LOADERS:
+            row = _default_row(result, loader)
+            cells.append(cell(spread(row, "images_per_s"), ",.0f") if row else "—")
+        machine = _machine(result) + (f" ({tag(result)})" if tagged else "")
+        rows.append([f"{machine}, images/s: {short_set(result)}", *cells])
+    return rows
+
+
+def results_summary(results: Path) -> str:
+    """The README's one table: ThreadLoader against DataLoader and DALI, alone and beside a training step.
+
+    A row per GPU throughput file (images/s alone), per step kind of the first training file (the step's
+    speed beside each loader over its speed on a fixed tensor, over the pipelines), per CPU throughput file.
+    """
+    rows = _summary_throughput(load(results, "throughput-*.json"))
+    for result in load(results, "training*.json")[:1]:
+        model = {"resnet50": "ResNet-50"}.get(str(result.config.get("model")), result.config.get("model"))
+        for kind in dict.fromkeys(r["spec"]["kind"] for r in result.rows):
+            ours = [r for r in result.rows if r["spec"]["kind"] == kind and default_configuration(r)]
+            cells = []
+            for loader in SUMMARY_LOADERS:
+                theirs = [r for r in ours if r["spec"]["loader"] == loader]
+                ratios = [r["ratio"] for r in theirs if r.get("ratio") is not None]
+                speeds = [statistics.median(r["images_per_s"]) / 1000 for r in theirs]
+                text = f"{_range(ratios, '.2f', 'x')} ({_range(speeds, '.1f')}k img/s)" if ratios else "—"
+                cells.append(text)
+            step = {"graphed": "step as one CUDA graph"}.get(kind, f"{kind} step")
+            rows.append([f"{_machine(result)}, {model} {step} beside the loader", *cells])
+    rows += _summary_throughput(load(results, "cpu-throughput*.json"))
+    if not rows:
+        return "No results yet (docs/benchmarks.md).\n"
+    lead = (
+        "Images per second of each loader alone (the median of runs, min-max in brackets), and a training "
+        "step's speed beside it as a share of the same step on a fixed tensor (over resized and cropped "
+        "photos); —: not in that run. [docs/benchmarks.md](docs/benchmarks.md) has each number's command, "
+        "machine and notes."
+    )
+    header = ["measured", *SUMMARY_LOADERS.values()]
+    return "\n".join([textwrap.fill(lead, 104), "", *table(header, rows)])
+
+
+SNIPPETS: dict[str, Callable[[Path], str]] = {
+    "results": results_summary,
+    "training-summary": training_summary,
+}
+"""Each generated block's name in README.md and docs/guide.md, and what fills it."""
+
+PAGES_WITH_BLOCKS = (README, GUIDE)
+"""The pages whose ``<!-- report:NAME -->`` blocks ``python -m benchmarks.report`` rewrites."""
+
+
+def readme(text: str, results: Path = RESULTS, *, where: str = "README.md") -> str:
+    """``text`` (README.md or another page), each ``<!-- report:NAME -->`` block made from the results."""
 
     def fill(match: re.Match[str]) -> str:
         name = match["name"]
         if name not in SNIPPETS:
-            raise SystemExit(f"README.md: no report snippet named {name!r}; known: {sorted(SNIPPETS)}")
+            raise SystemExit(f"{where}: no report snippet named {name!r}; known: {sorted(SNIPPETS)}")
         return match[1] + SNIPPETS[name](results) + match[4]
 
     return BLOCK.sub(fill, text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Rewrite docs/benchmarks.md, its charts and README.md's blocks; ``--check`` only compares."""
+    """Rewrite docs/benchmarks.md, its charts, the README's and guide's blocks; ``--check`` only compares."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
     p.add_argument(
         "--check", action="store_true", help="exit 1 where the committed docs differ from the JSON"
     )
     args = p.parse_args(argv)
-    wanted = {DOC: page(charts=not args.check), README: readme(README.read_text())}
+    wanted = {DOC: page(charts=not args.check)}
+    wanted |= {path: readme(path.read_text(), where=path.name) for path in PAGES_WITH_BLOCKS if path.exists()}
     stale = [path for path, text in wanted.items() if path.read_text() != text]
     for path in stale:
         if args.check:
