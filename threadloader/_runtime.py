@@ -26,6 +26,7 @@ from ._warmup import Warmup
 from .decode.base import ImageDecoder
 from .decode.nvimgcodec import NvImageCodecDecoder
 from .decode.pillow import PillowDecoder
+from .transforms import Transform
 
 __all__ = ["Runtime", "build_decoder"]
 
@@ -96,7 +97,7 @@ class Runtime:
             )
 
     @property
-    def transform(self) -> Any:
+    def transform(self) -> Transform | None:
         """The user's transforms as one (``None``: none)."""
         return self.options.chain
 
@@ -187,7 +188,7 @@ def build_decoder(options: Options, device: torch.device, *, threads: int, batch
     )
 
 
-def _device_of(decoder: ImageDecoder, options: Options) -> Any:
+def _device_of(decoder: ImageDecoder, options: Options) -> torch.device:
     """The device of a decoder passed in, refusing another ``device``."""
     if options.device is not None and resolve_device(options.device) != decoder.device:
         raise ValueError(
