@@ -16,8 +16,9 @@ step: ``torch peak`` is torch's peak allocated memory above the step's own peak,
 device-wide used memory (worker processes' contexts and nvImageCodec included), sampled, above the
 level before the loader started.
 
-``--timeline`` instead profiles one ThreadLoader row with torch.profiler, writes the chrome trace and
-prints where the loader's kernels ran against the training kernels (``benchmarks.timeline``).
+``--timeline`` instead profiles each loader's row (of the first kind and pipeline) with torch.profiler,
+writes the chrome traces and prints where the loader's kernels ran against the training kernels
+(``benchmarks.timeline``).
 """
 
 from __future__ import annotations
@@ -297,7 +298,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--timeline",
         action="store_true",
-        help="profile the ThreadLoader row of the first --kinds and --pipelines with torch.profiler",
+        help="profile each loader's row of the first --kinds and --pipelines with torch.profiler "
+        "(DALI's too: its kernels against the step's, as ThreadLoader's)",
     )
     p.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print it as JSON
     p.add_argument("--profile", help=argparse.SUPPRESS)  # internal: profile the row, name its files
@@ -334,9 +336,13 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
         return [row]
     common.warm_page_cache(list_images(args.root))
     if args.timeline:
-        spec = RowSpec(args.kinds[0], "threadloader", args.pipelines[0])
-        print(f"timeline: {spec.kind} step, {spec.pipeline}, {spec.name}", file=sys.stderr, flush=True)
-        return [run_row(spec, args, [*argv, "--profile", f"{spec.kind}-{spec.pipeline}"])]
+        profiled = []
+        for loader in (name for name in args.loaders if name != "fixed_input"):
+            spec = RowSpec(args.kinds[0], loader, args.pipelines[0])
+            print(f"timeline: {spec.kind} step, {spec.pipeline}, {spec.name}", file=sys.stderr, flush=True)
+            profile = f"{spec.kind}-{spec.pipeline}-{loader}"
+            profiled.append(run_row(spec, args, [*argv, "--profile", profile]))
+        return profiled
     specs, rows, started = plan(args), [], time.perf_counter()
     for i, spec in enumerate(specs, 1):
         elapsed = time.perf_counter() - started

@@ -100,12 +100,14 @@ def test_gil_benchmark_measures_the_loop_beside_each_load(tmp_path: Path) -> Non
 def test_training_timeline_writes_a_trace(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = run_benchmark(
-        "benchmarks.training", ["--quick", "--device", "cpu", "--timeline", "--out", str(out)], tmp_path
+        "benchmarks.training",
+        ["--quick", "--device", "cpu", "--timeline", "--loaders", "threadloader", "--out", str(out)],
+        tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    trace = json.loads((out / "timeline-eager-resize.json").read_text())
+    trace = json.loads((out / "timeline-eager-resize-threadloader.json").read_text())
     assert any(e.get("cat") == "cpu_op" for e in trace["traceEvents"])
-    assert (out / "timeline-eager-resize.md").read_text().startswith("GPU timeline")
+    assert (out / "timeline-eager-resize-threadloader.md").read_text().startswith("GPU timeline")
 
 
 def test_stages_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:
