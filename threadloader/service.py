@@ -6,6 +6,11 @@ gather queued requests into micro-batches (up to ``max_batch`` images, or whatev
 ``max_delay_ms`` after the first one) and make each with the training loader's own
 :class:`~threadloader._pipeline.BatchProducer`: same decoder, same transforms, same stream hand-off.
 Each caller gets its own image through a ``concurrent.futures.Future``.
+
+:class:`MicroBatcher` is its sibling for the next stage: the same queue, limits, cancellation and
+counters, gathering any inputs (decoded images, say) and calling one function (a model) once per
+micro-batch. A service chains the two, ``await model.arun(await decoder.adecode(body))``, and writes no
+queue of its own.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
 from ._options import DEFAULTS, Options
 from ._runtime import Runtime
-from ._serving.engine import Engine, serve
+from ._serving.batcher import CallEngine
+from ._serving.engine import Engine, Runner, serve
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue
 from ._stats import STAGES, StatsRecorder
@@ -33,41 +39,37 @@ from .decode.base import Encoded, ImageDecoder
 from .errors import QueueFullError
 from .transforms import Transform
 
-__all__ = ["BatchDecoder", "QueueFullError", "ServiceStats", "WhenFull"]
+__all__ = ["BatchDecoder", "BatcherStats", "MicroBatcher", "QueueFullError", "ServiceStats", "WhenFull"]
 
 WhenFull = Literal["block", "raise"]
-
-#: How often :meth:`BatchDecoder.adecode` retries a full queue without blocking the event loop.
-_ASYNC_RETRY = 0.002
+T = TypeVar("T")
+R = TypeVar("R")
 
 _service_numbers = itertools.count()
 
 
 @dataclass(frozen=True)
-class ServiceStats:
-    """A snapshot of a :class:`BatchDecoder`'s counters since it was created.
+class BatcherStats:
+    """A snapshot of a :class:`MicroBatcher`'s (or :class:`BatchDecoder`'s) counters since it was created.
 
-    ``submitted`` equals ``completed + failed + cancelled`` plus the requests still queued or being
-    decoded; read while requests are answered, it is at least ``completed + failed + cancelled +
-    queue_depth``.
+    ``submitted`` equals ``completed + failed + cancelled`` plus the requests still queued or running;
+    read while requests are answered, it is at least ``completed + failed + cancelled + queue_depth``.
 
     Attributes:
         queue_depth: Requests waiting in the queue now (not yet taken by a worker).
         submitted: Requests accepted by ``submit``.
         rejected: Requests refused because the queue was full.
-        completed: Requests answered with an image.
-        failed: Requests answered with an error (a bad image, or a failure of their whole batch).
-        cancelled: Requests cancelled before decoding, by their caller or by ``close(cancel_pending=True)``.
-        batches: Micro-batches decoded.
+        completed: Requests answered with a result.
+        failed: Requests answered with an error (their own, or a failure of their whole batch).
+        cancelled: Requests cancelled before a worker took them, by their caller (which frees their
+            slot in the queue at once) or by ``close(cancel_pending=True)``.
+        batches: Micro-batches run.
         batch_sizes: Micro-batch size to how many batches had it.
         latency_ms_p50: Median milliseconds from ``submit`` to the result, over the most recent
             :data:`~threadloader._serving.metrics.LATENCY_WINDOW` completed requests; ``None`` before
             the first.
         latency_ms_p90: 90th percentile, likewise.
         latency_ms_p99: 99th percentile, likewise.
-        cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
-        stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``;
-            ``ahead`` and ``wait``, a loader's prefetch window and its consumer, stay 0 here).
     """
 
     queue_depth: int = 0
@@ -81,11 +83,135 @@ class ServiceStats:
     latency_ms_p50: float | None = None
     latency_ms_p90: float | None = None
     latency_ms_p99: float | None = None
+
+
+@dataclass(frozen=True)
+class ServiceStats(BatcherStats):
+    """A :class:`BatchDecoder`'s counters (as :class:`BatcherStats`) and its pipeline's.
+
+    Attributes:
+        cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
+        stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``;
+            ``ahead`` and ``wait``, a loader's prefetch window and its consumer, stay 0 here).
+    """
+
     cpu_fallbacks: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
 
-class BatchDecoder:
+class _Batching(Generic[T, R]):
+    """The queue, workers and counters that :class:`BatchDecoder` and :class:`MicroBatcher` share."""
+
+    _group: ThreadGroup | None = None  # set last by _start: the finalizer closes only a started service
+
+    def _start(
+        self,
+        runner: Runner,
+        *,
+        metrics: Metrics,
+        device: torch.device,
+        num_threads: int,
+        max_batch: int,
+        max_delay_ms: float,
+        max_queue: int,
+        when_full: WhenFull,
+    ) -> None:
+        self.device, self.num_threads = device, num_threads
+        self.max_batch = max_batch
+        self.max_delay_ms = float(max_delay_ms)
+        self.max_queue = max_queue
+        self.when_full: WhenFull = when_full
+        self._metrics = metrics
+        self._queue = RequestQueue(
+            capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000, owner=type(self).__name__
+        )
+        # The workers see the queue and the runner, never the service: dropping it runs its finalizer.
+        # Interpreter exit cancels the group: queued requests are cancelled, batches being run stop at
+        # their next step and fail their requests with LoaderClosedError.
+        self._group = ThreadGroup(
+            name=f"threadloader-{type(self).__name__.lower()}{next(_service_numbers)}",
+            count=num_threads,
+            target=functools.partial(serve, self._queue, runner),
+            wake=functools.partial(self._queue.close, cancel_pending=True),
+        )
+
+    def submit(self, data: T, *, timeout: float | None = None) -> Future[R]:
+        """Queues one input; the future's result is its output.
+
+        Cancelling the future before a worker takes it drops the request and frees its slot in the
+        queue at once. Done-callbacks run in a worker thread: keep them short.
+
+        Args:
+            data: The input.
+            timeout: With ``when_full="block"``, most seconds to wait for room in the queue (``None``:
+                as long as it takes).
+
+        Raises:
+            QueueFullError: The queue is full (at once with ``when_full="raise"``, else after ``timeout``).
+            LoaderClosedError: The service is closed.
+        """
+        return self._queue.put(self._checked(data), self._caller_stream(), wait=self._wait(timeout))
+
+    async def _asubmit(self, data: T, timeout: float | None) -> R:
+        """From asyncio: room is awaited (woken when a slot frees, never polled), then the result.
+
+        A cancelled awaiting task cancels its request, which frees its slot if no worker has taken it.
+        """
+        future = await self._queue.aput(self._checked(data), self._caller_stream(), wait=self._wait(timeout))
+        return await asyncio.wrap_future(future)
+
+    def _wait(self, timeout: float | None) -> float | None:
+        return timeout if self.when_full == "block" else 0.0
+
+    def _checked(self, data: T) -> T:
+        return data
+
+    def _counts(self) -> dict[str, Any]:
+        # The answers before the queue: a request answered in between was submitted before the queue's
+        # read, so every snapshot has submitted >= completed + failed + cancelled + queue_depth. The
+        # other order counts a request queued at the first read and answered by the second twice.
+        answers = self._metrics.snapshot()
+        return {**self._queue.counts(), **answers}
+
+    def close(self, *, cancel_pending: bool = False) -> None:
+        """Stops the service; further ``submit`` calls raise :class:`LoaderClosedError`. Idempotent.
+
+        Args:
+            cancel_pending: ``False`` (default) runs every request already queued, then stops: close
+                returns when they are all answered. ``True`` cancels the queued requests (their futures
+                raise ``CancelledError``); the batches being run still complete, and the workers are
+                joined within about a second.
+        """
+        self._queue.close(cancel_pending=cancel_pending)
+        # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
+        assert self._group is not None
+        self._group.join(JOIN_TIMEOUT if cancel_pending else None)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads (for tests and diagnostics)."""
+        return self._group.threads if self._group is not None else []
+
+    def _caller_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # A finalizer must not block on queued work: holders of pending futures get CancelledError. Not
+        # at interpreter exit, where the exit hook has stopped the workers (see ThreadLoader.__del__).
+        if not _finalizing() and self._group is not None:
+            self.close(cancel_pending=True)
+
+
+_Self = TypeVar("_Self", bound=_Batching[Any, Any])
+
+
+class BatchDecoder(_Batching[Encoded, torch.Tensor]):
     """Decodes images sent one at a time from many threads, in dynamically gathered micro-batches.
 
     Safe to call from any number of threads and from asyncio. Each result is one ``(3, H, W)`` tensor
@@ -157,14 +283,9 @@ class BatchDecoder:
         region_decode: bool | None = DEFAULTS.region_decode,
         decoder: ImageDecoder | None = DEFAULTS.decoder,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if max_delay_ms < 0:
-            raise ValueError(f"max_delay_ms must be 0 or more, got {max_delay_ms}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
-        if when_full not in ("block", "raise"):
-            raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
+        _check_batching(
+            max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue, when_full=when_full
+        )
         options = Options.of(locals())  # the options both front ends take, checked
         if options.chain is not None and options.chain.random:
             raise ValueError(
@@ -172,23 +293,17 @@ class BatchDecoder:
                 "use deterministic transforms (Resize, CenterCrop, Normalize, ToDtype)"
             )
         self._runtime = runtime = Runtime(options, batch_size=max_batch, decode_batch_size=max_batch)
-        self.device, self.num_threads = runtime.device, runtime.num_threads
-        self.max_batch = max_batch
-        self.max_delay_ms = float(max_delay_ms)
-        self.max_queue = max_queue
-        self.when_full: WhenFull = when_full
         self._pipeline_stats = StatsRecorder()
-        self._metrics = Metrics()
-        engine = Engine(runtime=runtime, pipeline_stats=self._pipeline_stats, metrics=self._metrics)
-        self._queue = RequestQueue(capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000)
-        # The workers see the queue and the engine, never the service: dropping it runs its finalizer.
-        # Interpreter exit cancels the group: queued requests are cancelled, batches being decoded stop
-        # at their next step and fail their requests with LoaderClosedError.
-        self._group = ThreadGroup(
-            name=f"threadloader-service{next(_service_numbers)}",
-            count=self.num_threads,
-            target=functools.partial(serve, self._queue, engine),
-            wake=functools.partial(self._queue.close, cancel_pending=True),
+        metrics = Metrics()
+        self._start(
+            Engine(runtime=runtime, pipeline_stats=self._pipeline_stats, metrics=metrics),
+            metrics=metrics,
+            device=runtime.device,
+            num_threads=runtime.num_threads,
+            max_batch=max_batch,
+            max_delay_ms=max_delay_ms,
+            max_queue=max_queue,
+            when_full=when_full,
         )
 
     def submit(self, data: Encoded, *, timeout: float | None = None) -> Future[torch.Tensor]:
@@ -196,8 +311,8 @@ class BatchDecoder:
 
         The result is safe to use on the CUDA stream current in this thread now (see the class notes).
         A bad image fails only its own future, with a :class:`SampleError` whose ``index`` is the
-        request's submission number. Cancelling the future before a worker takes it drops the request.
-        Done-callbacks run in a worker thread: keep them short.
+        request's submission number. Cancelling the future before a worker takes it drops the request
+        and frees its slot in the queue. Done-callbacks run in a worker thread: keep them short.
 
         Args:
             data: The encoded image (JPEG, PNG, ... bytes).
@@ -208,9 +323,7 @@ class BatchDecoder:
             QueueFullError: The queue is full (at once with ``when_full="raise"``, else after ``timeout``).
             LoaderClosedError: The service is closed.
         """
-        return self._queue.put(
-            _checked(data), self._caller_stream(), wait=timeout if self.when_full == "block" else 0.0
-        )
+        return super().submit(data, timeout=timeout)
 
     def decode(self, data: Encoded) -> torch.Tensor:
         """Decodes one image, blocking until it is done; see :meth:`submit`.
@@ -237,40 +350,27 @@ class BatchDecoder:
             raise
         return [future.result() for future in futures]
 
-    async def adecode(self, data: Encoded) -> torch.Tensor:
+    async def adecode(self, data: Encoded, *, timeout: float | None = None) -> torch.Tensor:
         """Decodes one image from asyncio, never blocking the event loop.
 
         The result is safe on the CUDA stream current in the loop's thread. With ``when_full="block"``,
-        a full queue is waited out by retrying every few milliseconds (``asyncio.wait_for`` bounds it);
-        cancelling the awaiting task cancels a request not yet decoded.
+        a full queue is awaited until a slot frees (woken by it, not polled), for at most ``timeout``
+        seconds; with ``"raise"`` it is refused at once, which a server answers with 503. Cancelling the
+        awaiting task (its client went away) cancels a request not yet decoded and frees its slot.
 
         Raises:
             SampleError: If the image cannot be decoded.
-            QueueFullError: With ``when_full="raise"``, when the queue is full.
+            QueueFullError: The queue is full (at once with ``when_full="raise"``, else after ``timeout``).
+            LoaderClosedError: The service is closed.
         """
-        data, stream = _checked(data), self._caller_stream()
-        while True:
-            try:
-                future = self._queue.put(data, stream, wait=0.0)
-                break
-            except QueueFullError:
-                if self.when_full == "raise":
-                    raise
-            await asyncio.sleep(_ASYNC_RETRY)
-        return await asyncio.wrap_future(future)
+        return await self._asubmit(data, timeout)
 
     def stats(self) -> ServiceStats:
         """Counters, the batch-size histogram and recent latency percentiles since construction."""
-        # The answers before the queue: a request answered in between was submitted before the queue's
-        # read, so every snapshot has submitted >= completed + failed + cancelled + queue_depth. The
-        # other order counts a request queued at the first read and answered by the second twice.
-        answers = self._metrics.snapshot()
+        counts = self._counts()
         pipeline = self._pipeline_stats.snapshot()
         return ServiceStats(
-            **self._queue.counts(),
-            cpu_fallbacks=pipeline.cpu_fallbacks,
-            stage_seconds=pipeline.stage_seconds,
-            **answers,
+            **counts, cpu_fallbacks=pipeline.cpu_fallbacks, stage_seconds=pipeline.stage_seconds
         )
 
     def close(self, *, cancel_pending: bool = False) -> None:
@@ -282,30 +382,17 @@ class BatchDecoder:
                 raise ``CancelledError``); the batches being decoded still complete, and the workers
                 are joined within about a second.
         """
-        self._queue.close(cancel_pending=cancel_pending)
-        # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
-        self._group.join(JOIN_TIMEOUT if cancel_pending else None)
+        super().close(cancel_pending=cancel_pending)
         self._runtime.close()
 
-    @property
-    def threads(self) -> list[threading.Thread]:
-        """The worker threads (for tests and diagnostics)."""
-        return self._group.threads
-
-    def _caller_stream(self) -> torch.cuda.Stream | None:
-        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-
-    def __enter__(self) -> BatchDecoder:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        # A finalizer must not block on queued work: holders of pending futures get CancelledError. Not
-        # at interpreter exit, where the exit hook has stopped the workers (see ThreadLoader.__del__).
-        if not _finalizing() and getattr(self, "_group", None) is not None:
-            self.close(cancel_pending=True)
+    def _checked(self, data: Encoded) -> Encoded:
+        """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(
+                f"BatchDecoder decodes encoded image bytes, got {type(data).__name__}; "
+                "pass the file's contents (open(path, 'rb').read()), not its path"
+            )
+        return data
 
     def __repr__(self) -> str:
         return (
@@ -315,11 +402,111 @@ class BatchDecoder:
         )
 
 
-def _checked(data: object) -> Encoded:
-    """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(
-            f"BatchDecoder decodes encoded image bytes, got {type(data).__name__}; "
-            "pass the file's contents (open(path, 'rb').read()), not its path"
+class MicroBatcher(_Batching[T, R]):
+    """Calls ``fn`` once per micro-batch of inputs sent one at a time: a service's model stage.
+
+    :class:`BatchDecoder`'s sibling, with its queue, limits, cancellation, counters and shutdown: worker
+    threads gather queued inputs into micro-batches (up to ``max_batch``, or what has arrived
+    ``max_delay_ms`` after the first) and call ``fn(inputs)``, which returns one result per input, in
+    order; each caller gets its own. An exception from ``fn`` fails every request of that batch, and
+    the batcher goes on. A service chains the two stages:
+    ``await batcher.arun(await decoder.adecode(body))``.
+
+    Stream safety, with ``device`` a CUDA device: ``submit`` records the caller's current stream; each
+    worker calls ``fn`` on a stream of its own after it has waited for those streams (device-side), and
+    a CUDA tensor result is handed back to its caller's stream by event, as :class:`BatchDecoder` does.
+    So a decoded image can be submitted straight from the stream it was delivered on. Results that are
+    host values (``.tolist()`` in ``fn``) cost one host sync per batch, in the worker, never in the
+    caller's thread (an event loop).
+
+    Args:
+        fn: Called in a worker thread with a list of inputs; returns a sequence (or a tensor whose first
+            dimension is the batch) of one result per input.
+        max_batch: Most inputs per call.
+        max_delay_ms: Longest an input waits for others to join its batch, counted from its submission.
+        max_queue: Most requests waiting; the memory bound.
+        when_full: ``"block"`` until there is room (or ``timeout``), ``"raise"`` :class:`QueueFullError`
+            at once (shed load: a server's 503).
+        num_threads: Worker threads, each calling ``fn`` on whole batches (1: one model call at a time).
+        device: The CUDA device whose streams ``fn`` runs on; ``None`` or a CPU device: no stream
+            hand-off (CPU work, or ``fn`` manages its own).
+
+    Example:
+        >>> def classify(images: list[torch.Tensor]) -> list[list[int]]:  # doctest: +SKIP
+        ...     return model(torch.stack(images)).topk(5).indices.tolist()
+        >>> with MicroBatcher(classify, device="cuda") as batcher:  # doctest: +SKIP
+        ...     top5 = await batcher.arun(await decoder.adecode(body))
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[list[T]], Sequence[R]],
+        *,
+        max_batch: int = 64,
+        max_delay_ms: float = 2.0,
+        max_queue: int = 1024,
+        when_full: WhenFull = "block",
+        num_threads: int = 1,
+        device: str | torch.device | None = None,
+    ) -> None:
+        _check_batching(
+            max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue, when_full=when_full
         )
-    return data
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable (inputs -> one result each), got {type(fn).__name__}")
+        where = torch.device(device if device is not None else "cpu")
+        if where.type == "cuda" and where.index is None:
+            where = torch.device("cuda", torch.cuda.current_device())
+        streams = tuple(torch.cuda.Stream(where) for _ in range(num_threads)) if where.type == "cuda" else ()
+        metrics = Metrics()
+        self._start(
+            CallEngine(fn=fn, metrics=metrics, streams=streams),
+            metrics=metrics,
+            device=where,
+            num_threads=num_threads,
+            max_batch=max_batch,
+            max_delay_ms=max_delay_ms,
+            max_queue=max_queue,
+            when_full=when_full,
+        )
+
+    def run(self, data: T) -> R:
+        """Runs one input through ``fn`` in a micro-batch, blocking until its result; see ``submit``."""
+        return self.submit(data).result()
+
+    async def arun(self, data: T, *, timeout: float | None = None) -> R:
+        """Runs one input from asyncio, never blocking the event loop.
+
+        A full queue is awaited until a slot frees (``when_full="block"``, at most ``timeout`` seconds)
+        or refused at once (``"raise"``); cancelling the awaiting task cancels a request no worker has
+        taken, freeing its slot and its place in the next batch.
+
+        Raises:
+            QueueFullError: The queue is full (at once with ``when_full="raise"``, else after ``timeout``).
+            LoaderClosedError: The batcher is closed.
+        """
+        return await self._asubmit(data, timeout)
+
+    def stats(self) -> BatcherStats:
+        """Counters, the batch-size histogram and recent latency percentiles since construction."""
+        return BatcherStats(**self._counts())
+
+    def __repr__(self) -> str:
+        return (
+            f"MicroBatcher(device={self.device}, max_batch={self.max_batch}, "
+            f"max_delay_ms={self.max_delay_ms}, num_threads={self.num_threads}, "
+            f"max_queue={self.max_queue}, when_full={self.when_full!r})"
+        )
+
+
+def _check_batching(*, max_batch: int, max_delay_ms: float, max_queue: int, when_full: str) -> None:
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    if max_delay_ms < 0:
+        raise ValueError(f"max_delay_ms must be 0 or more, got {max_delay_ms}")
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+    if when_full not in ("block", "raise"):
+        raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")

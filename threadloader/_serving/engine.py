@@ -1,14 +1,17 @@
 """Decoding a gathered micro-batch with the loader's ``BatchProducer`` and answering each request's future.
 
-The worker threads run :func:`serve`: gather a micro-batch from the queue, decode it, repeat until the
-queue is closed and drained. A bad image fails its own request; a failure of the whole batch (CUDA out
-of memory) fails the requests it left unanswered, and the worker goes on.
+The worker threads run :func:`serve`: gather a micro-batch from the queue, run it (decode it, here; call
+a function on it, in ``batcher``), repeat until the queue is closed and drained. A bad image fails its
+own request; a failure of the whole batch (CUDA out of memory) fails the requests it left unanswered,
+and the worker goes on.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -21,9 +24,9 @@ from ..errors import LoaderClosedError, SampleError
 from .metrics import Metrics
 from .queue import Request, RequestQueue
 
-__all__ = ["Engine", "serve"]
+__all__ = ["Engine", "Runner", "answer", "run_guarded", "serve"]
 
-_CLOSED_WHILE_DECODING = "the interpreter is exiting: its BatchDecoder stopped while decoding this request"
+_CLOSED_WHILE_RUNNING = "the interpreter is exiting: its service stopped while running this request"
 
 
 @dataclass(frozen=True)
@@ -48,14 +51,9 @@ class Engine:
 
     def run(self, requests: list[Request], worker: int) -> None:
         """Decodes the requests as one batch on ``worker``'s stream and answers each future."""
-        self.metrics.batch(len(requests))
-        try:
-            self._answer_all(requests, self._decode(requests, worker))
-        except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
-            self._fail_unanswered(requests, LoaderClosedError(_CLOSED_WHILE_DECODING))
-            raise
-        except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
-            self._fail_unanswered(requests, exc)
+        run_guarded(
+            self.metrics, requests, lambda: self._answer_all(requests, self._decode(requests, worker))
+        )
 
     def _decode(self, requests: list[Request], worker: int) -> Decoded:
         rejected: dict[int, SampleError] = {}
@@ -75,25 +73,11 @@ class Engine:
         for position, request in enumerate(requests):
             image = decoded.images.get(position)
             if image is None:
-                self._answer(request, error=_request_error(request, decoded.rejected.get(position)))
+                answer(self.metrics, request, error=_request_error(request, decoded.rejected.get(position)))
                 continue
             if request.stream is not None:  # safe on the stream that was current in the submitting thread
                 Ready([image], decoded.event).receive(stream=request.stream)
-            self._answer(request, image=image)
-
-    def _fail_unanswered(self, requests: list[Request], error: BaseException) -> None:
-        for request in requests:
-            if not request.future.done():
-                self._answer(request, error=error)
-
-    def _answer(
-        self, request: Request, *, image: torch.Tensor | None = None, error: BaseException | None = None
-    ) -> None:
-        self.metrics.answered(ok=error is None, seconds=time.perf_counter() - request.submitted)
-        if error is None:
-            request.future.set_result(image)  # type: ignore[arg-type]
-        else:
-            request.future.set_exception(error)
+            answer(self.metrics, request, result=image)
 
 
 def _request_error(request: Request, error: SampleError | None) -> SampleError:
@@ -106,8 +90,48 @@ def _request_error(request: Request, error: SampleError | None) -> SampleError:
     return renamed
 
 
-def serve(queue: RequestQueue, engine: Engine, index: int) -> None:
-    """Worker ``index``: gathers micro-batches and decodes them until the queue is closed and drained."""
+class Runner(Protocol):
+    """What a worker runs a gathered micro-batch with (:class:`Engine`, ``batcher.CallEngine``)."""
+
+    def run(self, requests: list[Request], worker: int) -> None:
+        """Answers every request's future."""
+
+
+def run_guarded(metrics: Metrics, requests: list[Request], work: Callable[[], None]) -> None:
+    """Counts the micro-batch and runs ``work``, which answers its requests.
+
+    A failure of the whole batch answers those it left with that error, and the worker goes on (at
+    interpreter exit, it stops).
+    """
+    metrics.batch(len(requests))
+    try:
+        work()
+    except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
+        _fail_unanswered(metrics, requests, LoaderClosedError(_CLOSED_WHILE_RUNNING))
+        raise
+    except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
+        _fail_unanswered(metrics, requests, exc)
+
+
+def answer(
+    metrics: Metrics, request: Request, *, result: Any = None, error: BaseException | None = None
+) -> None:
+    """Completes a request's future with its result or ``error``, and counts it."""
+    metrics.answered(ok=error is None, seconds=time.perf_counter() - request.submitted)
+    if error is None:
+        request.future.set_result(result)
+    else:
+        request.future.set_exception(error)
+
+
+def _fail_unanswered(metrics: Metrics, requests: list[Request], error: BaseException) -> None:
+    for request in requests:
+        if not request.future.done():
+            answer(metrics, request, error=error)
+
+
+def serve(queue: RequestQueue, runner: Runner, index: int) -> None:
+    """Worker ``index``: gathers micro-batches and runs them until the queue is closed and drained."""
     while (requests := queue.gather()) is not None:
         if requests:
-            engine.run(requests, index)
+            runner.run(requests, index)

@@ -1,11 +1,17 @@
 """The service's request queue: bounded, FIFO, and handing out micro-batches to worker threads.
 
 Every wait in it (a submitter waiting for room, a worker waiting for requests) ends when it is closed.
+A request cancelled while it waits leaves the queue at once, so its slot is free for the next caller
+(a client that went away holds no room). Waiting for room from asyncio is woken by freed slots, not
+polled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -15,19 +21,18 @@ from typing import Any
 import torch
 
 from .._workers import POLL
-from ..decode.base import Encoded
 from ..errors import LoaderClosedError, QueueFullError
 
 __all__ = ["Request", "RequestQueue"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: the queue removes a cancelled one by itself
 class Request:
-    """One caller's image, the future it waits on, and the CUDA stream it will read the result on."""
+    """One caller's input, the future it waits on, and the CUDA stream it will read the result on."""
 
     number: int
-    data: Encoded
-    future: Future[torch.Tensor]
+    data: Any
+    future: Future[Any]
     stream: torch.cuda.Stream | None
     submitted: float  # time.perf_counter()
 
@@ -40,12 +45,14 @@ class RequestQueue:
         max_batch: Most requests in one micro-batch.
         max_delay: Most seconds a micro-batch waits for company, counted from its first request's
             submission.
+        owner: The service's class name, for error messages.
     """
 
-    def __init__(self, *, capacity: int, max_batch: int, max_delay: float) -> None:
+    def __init__(self, *, capacity: int, max_batch: int, max_delay: float, owner: str) -> None:
         self._capacity = capacity
         self._max_batch = max_batch
         self._max_delay = max_delay
+        self._owner = owner
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
@@ -53,12 +60,14 @@ class RequestQueue:
         # of being split among idle workers; the others wait here and decode in parallel meanwhile.
         self._gathering = threading.Lock()
         self._items: collections.deque[Request] = collections.deque()
+        # asyncio submitters waiting for room, first come first woken: (their loop, their waiter).
+        self._async_waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
+            collections.deque()
+        )
         self.closed = False
         self.submitted = self.rejected = self.cancelled = 0
 
-    def put(
-        self, data: Encoded, stream: torch.cuda.Stream | None, *, wait: float | None
-    ) -> Future[torch.Tensor]:
+    def put(self, data: Any, stream: torch.cuda.Stream | None, *, wait: float | None) -> Future[Any]:
         """Enqueues a request; waits up to ``wait`` seconds for room (``None``: as long as it takes).
 
         Raises:
@@ -67,29 +76,40 @@ class RequestQueue:
         """
         with self._lock:
             deadline = None if wait is None else time.monotonic() + wait
-            while len(self._items) >= self._capacity and not self.closed:
+            while self._full():
                 remaining = POLL if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
-                    self.rejected += 1
-                    raise QueueFullError(
-                        f"BatchDecoder queue is full ({self._capacity} requests waiting, "
-                        f"max_queue={self._capacity}): the service is overloaded; retry later or raise "
-                        "max_queue"
-                    )
+                    raise self._rejection()
                 self._not_full.wait(min(remaining, POLL))
-            if self.closed:
-                raise LoaderClosedError("this BatchDecoder was closed; create a new one to decode")
-            future: Future[torch.Tensor] = Future()
-            self._items.append(Request(self.submitted, data, future, stream, time.perf_counter()))
-            self.submitted += 1
-            self._not_empty.notify()
-        return future
+            return self._append(data, stream)
+
+    async def aput(self, data: Any, stream: torch.cuda.Stream | None, *, wait: float | None) -> Future[Any]:
+        """As :meth:`put`, awaiting room without blocking the event loop: woken when a slot is freed."""
+        loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
+        while True:
+            with self._lock:
+                if not self._full():
+                    return self._append(data, stream)
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    raise self._rejection()
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._async_waiters.append((loop, waiter))
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                self._leave(waiter, pass_on=False)  # the next pass takes a slot freed meanwhile, or rejects
+            except BaseException:  # cancelled: a wake-up it was given goes to the next waiter
+                self._leave(waiter, pass_on=True)
+                raise
 
     def gather(self) -> list[Request] | None:
         """Blocks for the first request, then takes more until ``max_batch`` or ``max_delay`` after it.
 
         The delay runs from the first request's submission, so a request that already waited behind
-        busy workers is not held back further. Requests cancelled by their caller are dropped here.
+        busy workers is not held back further. Requests cancelled by their caller are dropped here if
+        they were not already.
 
         Returns:
             The micro-batch (empty when all it took were cancelled); ``None`` once closed and drained.
@@ -104,7 +124,7 @@ class RequestQueue:
             while len(batch) < self._max_batch:
                 if self._items:
                     request = self._items.popleft()
-                    self._not_full.notify()
+                    self._freed()
                     if request.future.set_running_or_notify_cancel():
                         batch.append(request)
                     else:
@@ -126,6 +146,9 @@ class RequestQueue:
             self.cancelled += len(dropped)
             self._not_empty.notify_all()
             self._not_full.notify_all()
+            waiters, self._async_waiters = list(self._async_waiters), collections.deque()
+        for loop, waiter in waiters:
+            _wake(loop, waiter)
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
             request.future.cancel()
 
@@ -138,3 +161,73 @@ class RequestQueue:
                 "rejected": self.rejected,
                 "cancelled": self.cancelled,
             }
+
+    def _full(self) -> bool:
+        """Whether a new request must wait; ``False`` once closed, so that it meets the closed error."""
+        return len(self._items) >= self._capacity and not self.closed
+
+    def _rejection(self) -> QueueFullError:
+        self.rejected += 1
+        return QueueFullError(
+            f"{self._owner} queue is full ({self._capacity} requests waiting, max_queue={self._capacity}): "
+            "the service is overloaded; retry later or raise max_queue"
+        )
+
+    def _append(self, data: Any, stream: torch.cuda.Stream | None) -> Future[Any]:
+        if self.closed:
+            raise LoaderClosedError(f"this {self._owner} was closed; create a new one")
+        request = Request(self.submitted, data, Future(), stream, time.perf_counter())
+        self._items.append(request)
+        self.submitted += 1
+        self._not_empty.notify()
+        request.future.add_done_callback(functools.partial(self._withdraw, request))
+        return request.future
+
+    def _withdraw(self, request: Request, _future: Future[Any]) -> None:
+        """A request's done-callback: one cancelled while queued leaves the queue and frees its slot."""
+        if not request.future.cancelled():
+            return
+        with self._lock:
+            try:
+                self._items.remove(request)  # O(queue), within max_queue
+            except ValueError:
+                return  # already taken by gather (and counted there) or dropped by close
+            self.cancelled += 1
+            self._freed()
+
+    def _freed(self) -> None:
+        """A slot was freed (under the lock): wakes one thread and one asyncio submitter waiting for it."""
+        self._not_full.notify()
+        self._wake_async()
+
+    def _wake_async(self) -> None:
+        while self._async_waiters:
+            loop, waiter = self._async_waiters.popleft()
+            if not waiter.done():
+                _wake(loop, waiter)
+                return
+
+    def _leave(self, waiter: asyncio.Future[None], *, pass_on: bool) -> None:
+        """An asyncio submitter stops waiting.
+
+        With ``pass_on``, a wake-up it was sent (it is no longer listed) and will not use goes to the
+        next one.
+        """
+        with self._lock:
+            for entry in self._async_waiters:
+                if entry[1] is waiter:
+                    self._async_waiters.remove(entry)
+                    return
+            if pass_on:
+                self._wake_async()
+
+
+def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
+    """Wakes an asyncio waiter from any thread (its loop may have closed meanwhile: nothing to wake)."""
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(wake)
