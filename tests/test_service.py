@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from threadloader import BatchDecoder, LoaderClosedError, SampleError, ThreadLoaderError
 from threadloader.decode import PillowDecoder
-from threadloader.service import QueueFullError
+from threadloader.service import MicroBatcher, QueueFullError
 
 from .conftest import GatedDecoder, encode, gpu_mismatch, header_only_png, photo, post_predict, reader_threads
 
@@ -196,7 +196,7 @@ def test_backpressure_block(gated: GatedDecoder, blobs: list[bytes], refs: list[
         submitter.start()
 
         async def waits_for_room() -> torch.Tensor:
-            return await service.adecode(blobs[3])  # retries without blocking the loop
+            return await service.adecode(blobs[3])  # woken by a freed slot, never blocking the loop
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(asyncio.run, waits_for_room())
@@ -445,3 +445,194 @@ def test_random_transforms_are_refused() -> None:
 
     with pytest.raises(ValueError, match="random"):
         BatchDecoder(device="cpu", transform=[RandomHorizontalFlip()])
+
+
+def test_a_cancelled_request_frees_its_slot_at_once(gated: GatedDecoder, blobs: list[bytes]) -> None:
+    """A client that goes away makes room for the next one before any worker reaches its request."""
+    service, plug = plugged(gated, max_batch=8, max_queue=2, when_full="raise")
+    with service:
+        leaving, staying = service.submit(blobs[0]), service.submit(blobs[1])
+        with pytest.raises(QueueFullError):
+            service.submit(blobs[2])
+        assert leaving.cancel()
+        assert service.stats().queue_depth == 1  # gone from the queue, with the worker still blocked
+        newcomer = service.submit(blobs[2])  # its slot
+        gated.gate.set()
+        for future in (plug, staying, newcomer):
+            future.result(timeout=5)
+    assert gated.sizes == [1, 2]  # the cancelled request was never decoded
+    stats = service.stats()
+    assert (stats.submitted, stats.completed, stats.cancelled, stats.rejected) == (4, 3, 1, 1)
+
+
+def test_adecode_cancelled_by_its_caller_frees_its_slot(gated: GatedDecoder, blobs: list[bytes]) -> None:
+    service, plug = plugged(gated, max_batch=8, max_queue=4)
+
+    async def client_goes_away() -> None:
+        task = asyncio.ensure_future(service.adecode(blobs[0]))
+        while service.stats().queue_depth == 0:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # the future's cancellation reaches the queue on the loop's next turn
+
+    with service:
+        asyncio.run(client_goes_away())
+        stats = service.stats()
+        assert (stats.queue_depth, stats.cancelled) == (0, 1)  # the worker is still blocked
+        gated.gate.set()
+        plug.result(timeout=5)
+    assert gated.sizes == [1]
+
+
+def test_adecode_awaits_a_freed_slot_and_gives_up_after_its_timeout(
+    gated: GatedDecoder, blobs: list[bytes], refs: list[np.ndarray]
+) -> None:
+    service, plug = plugged(gated, max_batch=8, max_queue=1)
+
+    async def main() -> torch.Tensor:
+        queued = service.submit(blobs[0])
+        started = time.perf_counter()
+        with pytest.raises(QueueFullError, match="max_queue=1"):
+            await service.adecode(blobs[1], timeout=0.05)
+        assert 0.05 <= time.perf_counter() - started < 1.0
+        waiting = asyncio.ensure_future(service.adecode(blobs[2], timeout=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        queued.cancel()  # frees the slot: the waiter is woken and takes it, with the worker still blocked
+        freed = time.perf_counter()
+        while service.stats().queue_depth == 0:
+            await asyncio.sleep(0.001)
+        assert time.perf_counter() - freed < 0.5  # woken by the freed slot, not by its timeout
+        gated.gate.set()
+        return await waiting
+
+    with service:
+        assert_image(asyncio.run(main()), refs[2])
+        plug.result(timeout=5)
+    stats = service.stats()
+    assert (stats.submitted, stats.completed, stats.cancelled, stats.rejected) == (3, 2, 1, 1)
+
+
+def _sums(batches: list[int]) -> MicroBatcher[torch.Tensor, torch.Tensor]:
+    """A batcher whose function sums each input, one call per batch, recording each batch's size."""
+
+    def total(inputs: list[torch.Tensor]) -> torch.Tensor:
+        batches.append(len(inputs))
+        return torch.stack(inputs).flatten(1).sum(dim=1)
+
+    return MicroBatcher(total, max_batch=16, max_delay_ms=50)
+
+
+def test_micro_batcher_calls_its_function_once_per_batch() -> None:
+    inputs = [torch.arange(12, dtype=torch.float64).reshape(3, 4) * i for i in range(64)]
+    batches: list[int] = []
+    start = threading.Barrier(16)
+
+    def client(first: int) -> list[float]:
+        start.wait()
+        futures = [batcher.submit(inputs[i]) for i in range(first, 64, 16)]
+        return [float(future.result(timeout=10)) for future in futures]
+
+    with _sums(batches) as batcher, concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(client, range(16)))
+        stats = batcher.stats()
+    for first, got in enumerate(answers):
+        assert got == [float(inputs[i].sum()) for i in range(first, 64, 16)]
+    assert sum(batches) == 64 and max(batches) <= 16 and len(batches) < 64  # batched, within max_batch
+    assert stats.batch_sizes == {size: batches.count(size) for size in set(batches)}
+    assert (stats.submitted, stats.completed, stats.batches) == (64, 64, len(batches))
+
+
+def test_micro_batcher_chained_after_the_decoder_from_asyncio(
+    blobs: list[bytes], refs: list[np.ndarray]
+) -> None:
+    """A service's two stages, each micro-batched: decode, then one call of the 'model' per batch."""
+    calls: list[int] = []
+
+    def channel_means(images: list[torch.Tensor]) -> list[list[float]]:
+        calls.append(len(images))
+        return [image.double().mean(dim=(1, 2)).tolist() for image in images]
+
+    async def main(
+        decoder: BatchDecoder, model: MicroBatcher[torch.Tensor, list[float]]
+    ) -> list[list[float]]:
+        async def one(data: bytes) -> list[float]:
+            return await model.arun(await decoder.adecode(data))
+
+        return await asyncio.gather(*(one(data) for data in blobs))
+
+    with (
+        BatchDecoder(device="cpu", max_batch=16, max_delay_ms=5) as decoder,
+        MicroBatcher(channel_means, max_batch=16, max_delay_ms=20) as model,
+    ):
+        answers = asyncio.run(main(decoder, model))
+    for answer, ref in zip(answers, refs, strict=True):
+        np.testing.assert_allclose(answer, ref.reshape(-1, 3).mean(axis=0), rtol=1e-12)
+    assert sum(calls) == N and len(calls) < N
+
+
+def test_micro_batcher_failures_fail_their_batch_only() -> None:
+    def strict(inputs: list[int]) -> list[int]:
+        if -1 in inputs:
+            raise ArithmeticError("a negative input")
+        return [2 * x for x in inputs] if 0 not in inputs else []
+
+    with MicroBatcher(strict, max_batch=4, max_delay_ms=0) as batcher:
+        with pytest.raises(ArithmeticError, match="a negative input"):
+            batcher.run(-1)
+        with pytest.raises(ValueError, match="returned 0 results for a micro-batch of 1 inputs"):
+            batcher.run(0)
+        assert batcher.run(21) == 42  # it goes on
+        stats = batcher.stats()
+    assert (stats.completed, stats.failed) == (1, 2)
+
+
+def test_micro_batcher_sheds_load_and_frees_a_cancelled_slot() -> None:
+    gate, entered = threading.Event(), threading.Event()
+
+    def slow(inputs: list[int]) -> list[int]:
+        entered.set()
+        assert gate.wait(10)
+        return inputs
+
+    batcher = MicroBatcher(slow, max_batch=4, max_delay_ms=0, max_queue=2, when_full="raise")
+    try:
+        plug = batcher.submit(0)
+        assert entered.wait(5)
+        leaving, staying = batcher.submit(1), batcher.submit(2)
+        with pytest.raises(QueueFullError, match="MicroBatcher queue is full"):
+            batcher.submit(3)
+
+        async def shed() -> None:
+            await batcher.arun(3)
+
+        with pytest.raises(QueueFullError):
+            asyncio.run(shed())
+        leaving.cancel()
+        newcomer = batcher.submit(4)
+        gate.set()
+        assert [f.result(timeout=5) for f in (plug, staying, newcomer)] == [0, 2, 4]
+    finally:
+        gate.set()
+        batcher.close(cancel_pending=True)
+    stats = batcher.stats()
+    assert (stats.rejected, stats.cancelled, stats.completed) == (2, 1, 3)
+    assert not any(thread.is_alive() for thread in batcher.threads)
+    with pytest.raises(LoaderClosedError):
+        batcher.submit(5)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"fn": None}, TypeError, "fn must be callable"),
+        ({"num_threads": 0}, ValueError, "num_threads"),
+        ({"max_batch": 0}, ValueError, "max_batch"),
+        ({"when_full": "drop"}, ValueError, "when_full"),
+    ],
+)
+def test_micro_batcher_bad_options(options: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        MicroBatcher(**{"fn": list, **options})  # type: ignore[arg-type]
