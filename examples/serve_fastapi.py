@@ -99,7 +99,7 @@ class Service:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.pixels_in_flight = 0  # changed only in the event loop: no lock
         self.in_flight = 0  # requests in the thread pool (per-request and pillow modes)
-        self.head = self._head(model)
+        self.head = model_stage(settings.model, self.device, model)
         self.decoder: BatchDecoder | None = None
         self.batcher: MicroBatcher[torch.Tensor, Any] | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -131,23 +131,6 @@ class Service:
                 when_full="raise",
                 device=self.device,
             )
-
-    def _head(self, model: torch.nn.Module | None) -> Stage:
-        """The model stage on a list of decoded images: top-5 indices, or (no model) shape and mean."""
-        if model is None:
-            if self.settings.model == "none":
-                return _summaries
-            model = _resnet50()
-        cuda = self.device.type == "cuda"
-        dtype = torch.bfloat16 if cuda else torch.float32
-        model = model.eval().to(self.device, dtype=dtype, memory_format=torch.channels_last)
-
-        def top5(images: list[torch.Tensor]) -> list[Any]:
-            batch = torch.stack(images).to(dtype).contiguous(memory_format=torch.channels_last)
-            with torch.inference_mode():
-                return [{"top5": row} for row in model(batch).float().topk(5, dim=1).indices.tolist()]
-
-        return top5
 
     async def predict(self, body: bytes) -> dict[str, Any]:
         """Decodes and classifies one image, holding its pixels in the in-flight budget meanwhile."""
@@ -245,6 +228,25 @@ class Service:
                 stage.close(cancel_pending=True)
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def model_stage(name: str, device: torch.device, model: torch.nn.Module | None = None) -> Stage:
+    """The model stage on a list of decoded images: ResNet-50's top-5 indices (``model`` in its place,
+    if given), or with ``name="none"`` each image's shape and mean."""
+    if model is None:
+        if name == "none":
+            return _summaries
+        model = _resnet50()
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = model.eval().to(device, dtype=dtype, memory_format=torch.channels_last)
+
+    def top5(images: list[torch.Tensor]) -> list[Any]:
+        batch = torch.stack(images).to(dtype).contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            return [{"top5": row} for row in model(batch).float().topk(5, dim=1).indices.tolist()]
+
+    return top5
 
 
 def _summaries(images: list[torch.Tensor]) -> list[Any]:
