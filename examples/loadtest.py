@@ -180,11 +180,13 @@ def mean_batch(before: dict[str, Any], after: dict[str, Any]) -> float | None:
 
 
 @contextmanager
-def started_server(command: list[str]) -> Iterator[int]:
+def started_server(command: list[str], log: Path | None = None) -> Iterator[int]:
     """Starts a server (its command, which must take ``--port 0``); yields its port; stops it afterwards.
 
-    It is stopped with SIGTERM, then killed if it has not exited within the stop timeout."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    It is stopped with SIGTERM, then killed if it has not exited within the stop timeout. Its stderr
+    goes to ``log`` where given."""
+    stderr = log.open("w") if log is not None else None
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         yield _announced_port(process)
     finally:
@@ -195,6 +197,8 @@ def started_server(command: list[str]) -> Iterator[int]:
             process.kill()
             process.wait()
         process.stdout.close()  # type: ignore[union-attr]
+        if stderr is not None:
+            stderr.close()
 
 
 def server_command(server: str, mode: str, args: argparse.Namespace) -> list[str]:

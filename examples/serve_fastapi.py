@@ -206,9 +206,12 @@ class Service:
             return result
 
     def stats(self) -> dict[str, Any]:
-        """The stages' counters, the pixels in flight and, on a GPU, its memory high-water marks."""
+        """The stages' counters, the pixels in flight, the process's memory and the GPU's high-water marks."""
+        with open("/proc/self/statm") as statm:  # Linux: resident pages, the second field
+            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         stats: dict[str, Any] = {
             "mode": self.settings.mode,
+            "rss_bytes": rss,
             "pixels_in_flight": self.pixels_in_flight,
             "in_pool": self.in_flight,
         }

@@ -14,7 +14,8 @@ the batch. The server prints ``listening on http://HOST:PORT`` once /health answ
 picks a free port), and stops on SIGTERM or Ctrl-C.
 """
 
-
+# No `from __future__ import annotations`: LitServe builds its endpoint from decode_request's annotation,
+# read at run time.
 import argparse
 import base64
 import binascii
