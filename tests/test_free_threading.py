@@ -14,7 +14,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from threadloader import BatchDecoder, ThreadLoader
 from threadloader._stats import LoaderStats, StatsRecorder
 from threadloader._workers import WeakRegistry
+from threadloader.decode import DecodedBatch, Encoded, ImageDecoder, RegionOf, StageRecorder
 
 from .conftest import encode, photo, pil_reference
 
@@ -187,3 +189,59 @@ def test_service_stats_never_count_an_answered_request_twice(monkeypatch: pytest
         final = service.stats()
     assert not broken, f"{len(broken)} snapshots answered more requests than were submitted: {broken[0]}"
     assert final.completed == final.submitted == submitters * per_submitter
+
+
+class _CountedDecoder(ImageDecoder):
+    """Decodes nothing: each call is a batch of zeros, counted, so that a test knows where the readers are."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.calls = 0
+        self._counted = threading.Condition()
+
+    def decode(
+        self,
+        encoded: Sequence[Encoded],
+        *,
+        stream: torch.cuda.Stream | None,
+        stats: StageRecorder | None = None,
+        region_of: RegionOf | None = None,
+        pad: bool = False,
+    ) -> DecodedBatch:
+        with self._counted:
+            self.calls += 1
+            self._counted.notify_all()
+        count = len(encoded)
+        pixels = torch.zeros((count, 64, 64, 3), dtype=torch.uint8)
+        return DecodedBatch(extents=[(64, 64)] * count, batch=pixels, rows=set(range(count)))
+
+    def wait_for(self, calls: int) -> None:
+        """Waits until the readers have made ``calls`` calls."""
+        with self._counted:
+            assert self._counted.wait_for(lambda: self.calls >= calls, timeout=10)
+
+
+def test_a_batch_the_consumer_drops_is_freed_while_the_readers_wait() -> None:
+    """Freed at the drop, not when the reader that made it next takes a task (docs/design.md).
+
+    The readers wait for room in a full window when each batch is dropped. Two things kept it alive:
+    the reader's last result (any Python), and, on a free-threaded build, the reader itself, which
+    frees an object it made and another thread dropped only when it next runs Python.
+    """
+    batches, decoder = 12, _CountedDecoder()
+    late: list[tuple[int, float]] = []
+    with ThreadLoader(
+        [b"unread"] * (4 * batches), batch_size=4, num_threads=2, prefetch=1, decoder=decoder, size=(64, 64)
+    ) as loader:
+        iterator = iter(loader)
+        for k in range(batches):
+            images, _ = next(iterator)
+            decoder.wait_for(min(k + 3, batches))  # the window, two batches past this one, is full
+            time.sleep(0.03)  # and both readers wait in it
+            freed = threading.Event()
+            weakref.finalize(images, freed.set)
+            del images
+            started = time.perf_counter()
+            if not freed.wait(0.2):  # the readers wake every 10 ms on a free-threaded build
+                late.append((k, time.perf_counter() - started))
+    assert not late, f"batches (index, seconds) still alive 0.2 s after the consumer dropped them: {late}"

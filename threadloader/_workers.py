@@ -26,6 +26,7 @@ import ctypes
 import functools
 import os
 import sys
+import sysconfig
 import threading
 import time
 import weakref
@@ -37,7 +38,15 @@ import torch
 from ._cancel import Cancelled, bind_cancel
 from .errors import LoaderClosedError
 
-__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup", "WeakRegistry", "available_cpus"]
+__all__ = [
+    "JOIN_TIMEOUT",
+    "MERGE_INTERVAL",
+    "POLL",
+    "OrderedPool",
+    "ThreadGroup",
+    "WeakRegistry",
+    "available_cpus",
+]
 
 T = TypeVar("T")
 
@@ -46,6 +55,12 @@ T = TypeVar("T")
 JOIN_TIMEOUT = 1.0
 #: Longest a thread waits before checking again whether its owner closed (wake-ups are immediate).
 POLL = 0.5
+#: On a free-threaded build, longest a waiting reader goes without running Python (``None`` with a GIL).
+#: There an object is freed by the thread that made it (biased reference counting): a batch that the
+#: consumer drops last waits in its reader's queue until the reader next runs Python, which a reader
+#: blocked in a wait never does. A wake cost 0.16 ms of CPU on a 2-core VM (a bare sleep's wake there
+#: 0.07 ms): under 2% of a core per waiting reader.
+MERGE_INTERVAL = 0.01 if sysconfig.get_config_var("Py_GIL_DISABLED") else None
 #: Seconds interpreter exit waits before saying on stderr which threads it is waiting for.
 EXIT_NOTICE = 10.0
 
@@ -364,11 +379,11 @@ class OrderedPool(Generic[T]):
         try:
             with self._cv:
                 while index >= self._eager and not (self._first_in or self.closed or self._end is not None):
-                    self._cv.wait()
+                    self._cv.wait(MERGE_INTERVAL)
                 if self._full():
                     started = time.perf_counter()
                     while not self.closed and self._end is None and self._full():
-                        self._cv.wait()
+                        self._cv.wait(MERGE_INTERVAL)
                     ahead = time.perf_counter() - started
                 if self.closed or self._end is not None:
                     return None
@@ -392,17 +407,27 @@ class OrderedPool(Generic[T]):
 
     def _run(self, index: int) -> None:
         while (taken := self._take(index)) is not None:
-            seq, task = taken
-            try:
-                result: tuple[bool, Any] = (True, self._work(task, index))
-            except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below
-                result = (False, exc)
-            with self._cv:
-                if self.closed:
-                    return
-                self._results[seq] = result
-                self._first_in = self._first_in or seq == 0
-                self._cv.notify_all()
+            if not self._complete(*taken, index):
+                return
+
+    def _complete(self, seq: int, task: Any, index: int) -> bool:
+        """Runs task ``seq`` and hands its result in; ``False`` once the pool is closed.
+
+        A call of its own, so that the thread holds no reference to the result once it is handed in:
+        waiting in :meth:`_take` with it, the thread kept a batch the consumer had dropped alive until
+        its next task.
+        """
+        try:
+            result: tuple[bool, Any] = (True, self._work(task, index))
+        except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below
+            result = (False, exc)
+        with self._cv:
+            if self.closed:
+                return False
+            self._results[seq] = result
+            self._first_in = self._first_in or seq == 0
+            self._cv.notify_all()
+        return True
 
 
 def available_cpus() -> int:
