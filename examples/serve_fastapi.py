@@ -104,6 +104,8 @@ class Service:
         self.batcher: MicroBatcher[torch.Tensor, Any] | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams = threading.local()  # per-request mode: each pool thread's CUDA stream
+        self._mean = torch.tensor(MEAN, device=self.device).view(3, 1, 1)  # per-request mode's normalization
+        self._std = torch.tensor(STD, device=self.device).view(3, 1, 1)
         self._output = OutputFormat(size=SIZE, dtype=torch.float32, mean=MEAN, std=STD)  # pillow mode
         if settings.mode != "batched":
             self.pool = concurrent.futures.ThreadPoolExecutor(settings.threads, settings.mode)
@@ -200,9 +202,7 @@ class Service:
             resized = torch.nn.functional.interpolate(
                 image.unsqueeze(0).float(), size=SIZE, mode="bilinear", antialias=True, align_corners=False
             )
-            mean = torch.tensor(MEAN, device=self.device).view(3, 1, 1)
-            std = torch.tensor(STD, device=self.device).view(3, 1, 1)
-            result: dict[str, Any] = self.head([(resized[0] / 255 - mean) / std])[0]
+            result: dict[str, Any] = self.head([(resized[0] / 255 - self._mean) / self._std])[0]
             return result
 
     def stats(self) -> dict[str, Any]:

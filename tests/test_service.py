@@ -396,6 +396,39 @@ def test_gpu_concurrent_submit_on_callers_streams(blobs: list[bytes], refs: list
         assert gpu_mismatch(image, refs[index]) is None
 
 
+@pytest.mark.gpu
+def test_gpu_micro_batcher_after_the_decoder_on_callers_streams(
+    blobs: list[bytes], refs: list[np.ndarray]
+) -> None:
+    """Decoded on the GPU, then through a MicroBatcher whose function returns CUDA tensors: each caller,
+    on a busy stream of its own, reads its result without a sync (the batcher's stream waited for the
+    caller's, and its result was handed back by event)."""
+    calls: list[int] = []
+
+    def doubled(images: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(len(images))
+        return [image.float() * 2 for image in images]
+
+    with (
+        BatchDecoder(device="cuda", max_batch=16, max_delay_ms=2) as decoder,
+        MicroBatcher(doubled, max_batch=16, max_delay_ms=5, device="cuda") as batcher,
+    ):
+
+        def caller(index: int) -> torch.Tensor:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                slow = torch.randn(1024, 1024, device="cuda")
+                for _ in range(4):
+                    slow = slow @ slow / 1024  # the stream is busy when the image is decoded on it
+                result = batcher.run(decoder.decode(blobs[index]))
+                return (result / 2).cpu()  # on this stream: no sync before
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(caller, range(N)))
+    assert sum(calls) == N and len(calls) < N
+    for index, image in enumerate(results):
+        assert gpu_mismatch(image, refs[index]) is None
+
+
 def _start_server(*options: str) -> tuple[subprocess.Popen[str], int]:
     command = [sys.executable, str(EXAMPLES / "server.py"), "--port", "0", *options]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
