@@ -60,8 +60,11 @@ from threadloader.service import MicroBatcher
 
 MODES = ("batched", "per-request", "pillow")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait: about one queue's worth of batches
-GRACEFUL_SHUTDOWN_S = 10.0
-ROUTES = "POST /predict, GET /stats, GET /health"  # on SIGTERM, longest the requests in flight are waited for
+GRACEFUL_SHUTDOWN_S = 10.0  # on SIGTERM, longest the requests in flight are waited for
+# uvicorn's limit_concurrency counts open connections (idle kept-alive ones too) and requests, and refuses
+# at the limit itself: 256 clients need more than 256. A connection costs a few KB here, not a thread.
+MAX_CONNECTIONS = 512
+ROUTES = "POST /predict, GET /stats, GET /health"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=defaults.request_timeout_s, help="body s; 408"
     )
-    parser.add_argument("--max-connections", type=int, default=defaults.max_connections, help="more: 503")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="more: 503")
     args = parser.parse_args(argv)
     if args.max_pixels_in_flight < args.max_pixels:
         parser.error("--max-pixels-in-flight must be at least --max-pixels, or the largest images never fit")

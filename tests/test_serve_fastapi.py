@@ -327,3 +327,28 @@ def test_sigterm_with_requests_in_flight_answers_them_and_exits_0(tmp_path: Path
     statuses = {status for _, status in outcomes if isinstance(status, int)}
     assert statuses <= {200, 503}, outcomes
     assert any(when > terminated and status == 200 for when, status in outcomes)  # in flight, answered
+
+
+def test_past_max_connections_uvicorn_answers_503_as_json_with_retry_after() -> None:
+    command = [sys.executable, str(EXAMPLES / "serve_fastapi.py"), "--port", "0", "--device", "cpu"]
+    server = subprocess.Popen(
+        [*command, "--model", "none", "--max-connections", "2"], stdout=subprocess.PIPE, text=True
+    )
+    connections = []
+    try:
+        port = int(server.stdout.readline().rsplit(":", 1)[1])  # type: ignore[union-attr]
+        answers = []
+        for _ in range(2):  # the first kept open: uvicorn counts it, and refuses at the limit itself
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            connection.request("GET", "/health")
+            response = connection.getresponse()
+            answers.append((response.status, response.getheader("Retry-After"), json.loads(response.read())))
+            connections.append(connection)
+        assert answers[0] == (200, None, {"status": "ok"})
+        assert answers[1] == (503, "1", {"error": "too many connections; retry after 1 s"})
+    finally:
+        for connection in connections:
+            connection.close()
+        server.terminate()
+        server.wait(20)
+        server.stdout.close()  # type: ignore[union-attr]
