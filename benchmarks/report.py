@@ -618,14 +618,19 @@ SUMMARY_LOADERS = {"threadloader": "ThreadLoader", "pil_dataloader": "DataLoader
 def _summary_throughput(found: list[ResultFile]) -> list[list[str]]:
     """The README's rows of ``benchmarks.run`` files: each loader's images/s alone."""
     rows = []
-    tagged = len({short_set(result) for result in found}) < len(found)
-    for result in found:
+    batches = {next((r["batch_size"] for r in result.rows), None) for result in found}
+    works = [
+        short_set(result) + (f", batch {result.rows[0]['batch_size']}" if len(batches) > 1 else "")
+        for result in found
+    ]
+    tagged = len(set(works)) < len(found)
+    for result, work in zip(found, works, strict=True):
         cells = []
         for loader in SUMMARY_LOADERS:
             row = _default_row(result, loader)
             cells.append(cell(spread(row, "images_per_s"), ",.0f") if row else "—")
         machine = _machine(result) + (f" ({tag(result)})" if tagged else "")
-        rows.append([f"{machine}, images/s: {short_set(result)}", *cells])
+        rows.append([f"{machine}, images/s: {work}", *cells])
     return rows
 
 

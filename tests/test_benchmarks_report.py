@@ -66,3 +66,15 @@ def test_the_pages_name_no_issues() -> None:
     """Results are current, not a lab notebook: git's history keeps which run answered which issue."""
     for path in (report.DOC, report.README, report.DOC.with_name("design.md")):
         assert re.findall(r"\bissues?\b|#\d", path.read_text(), re.IGNORECASE) == [], path
+
+
+def test_the_readme_rows_name_the_batch_where_files_differ_by_it(tmp_path: Path) -> None:
+    data = json.loads((report.RESULTS / "throughput-fixed.json").read_text())
+    (tmp_path / "throughput-fixed.json").write_text(json.dumps(data))
+    for row in data["rows"]:
+        row["batch_size"] = 32
+    (tmp_path / "throughput-b32-fixed.json").write_text(json.dumps(data))
+    summary = report.results_summary(tmp_path)
+    assert "256x256 JPEGs, batch 64 |" in summary and "256x256 JPEGs, batch 32 |" in summary
+    (tmp_path / "throughput-b32-fixed.json").unlink()
+    assert "batch" not in report.results_summary(tmp_path)  # one batch size: the rows say none
