@@ -1,7 +1,8 @@
-"""The parts behind :class:`~threadloader.service.BatchDecoder`, one job per module.
+"""The parts behind :class:`~threadloader.service.BatchDecoder` and its sibling ``MicroBatcher``.
 
 ``queue`` holds the requests and hands out micro-batches; ``metrics`` counts answers and keeps recent
-latencies; ``engine`` decodes a gathered micro-batch with the loader's ``BatchProducer`` and answers its
-futures. Each imports only the ones before it; ``threadloader.service`` puts them together behind the
-public facade.
+latencies; ``engine`` runs the workers and decodes a gathered micro-batch with the loader's
+``BatchProducer``, answering its futures; ``batcher`` calls a user's function (a model) on a gathered
+micro-batch instead. Each imports only the ones before it; ``threadloader.service`` puts them together
+behind the public facades.
 """
