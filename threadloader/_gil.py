@@ -6,6 +6,9 @@ would keep a training loop that wants it back waiting for the whole group. So th
 call :meth:`Pacer.tick`, which sleeps an instant once :data:`EVERY` seconds have passed: long enough
 for the waiting thread to take the GIL. Merely letting go of it is not: the releasing thread takes it
 straight back before the waiting one has woken. Without a GIL (free-threaded Python), nothing to do.
+
+A free-threaded build has the opposite need: a thread that makes objects must run Python now and then
+for other threads' drops of them to free them (:data:`MERGE_INTERVAL`), so its waits wake to do so.
 """
 
 from __future__ import annotations
@@ -13,15 +16,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import sysconfig
 import threading
 import time
 
-__all__ = ["EVERY", "Pacer"]
+__all__ = ["EVERY", "MERGE_INTERVAL", "Pacer"]
 
 #: Most seconds a reader's loop keeps the GIL before letting a waiting thread in.
 EVERY = 100e-6
 #: How long it then sleeps: long enough for a waiting thread to wake and take the GIL.
 _PAUSE = 20e-6
+#: On a free-threaded build, longest a thread that waits goes without running Python (``None`` with a GIL).
+#: There an object is freed by the thread that made it (biased reference counting): a batch that the
+#: consumer drops last waits in its reader's queue until the reader next runs Python, which a thread
+#: blocked in a wait never does. A wake cost 0.16 ms of CPU on a 2-core VM (a bare sleep's wake there
+#: 0.07 ms): under 2% of a core per waiting reader.
+MERGE_INTERVAL = 0.01 if sysconfig.get_config_var("Py_GIL_DISABLED") else None
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()

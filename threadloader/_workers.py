@@ -26,7 +26,6 @@ import ctypes
 import functools
 import os
 import sys
-import sysconfig
 import threading
 import time
 import weakref
@@ -36,17 +35,10 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ._cancel import Cancelled, bind_cancel
+from ._gil import MERGE_INTERVAL
 from .errors import LoaderClosedError
 
-__all__ = [
-    "JOIN_TIMEOUT",
-    "MERGE_INTERVAL",
-    "POLL",
-    "OrderedPool",
-    "ThreadGroup",
-    "WeakRegistry",
-    "available_cpus",
-]
+__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup", "WeakRegistry", "available_cpus"]
 
 T = TypeVar("T")
 
@@ -55,12 +47,6 @@ T = TypeVar("T")
 JOIN_TIMEOUT = 1.0
 #: Longest a thread waits before checking again whether its owner closed (wake-ups are immediate).
 POLL = 0.5
-#: On a free-threaded build, longest a waiting reader goes without running Python (``None`` with a GIL).
-#: There an object is freed by the thread that made it (biased reference counting): a batch that the
-#: consumer drops last waits in its reader's queue until the reader next runs Python, which a reader
-#: blocked in a wait never does. A wake cost 0.16 ms of CPU on a 2-core VM (a bare sleep's wake there
-#: 0.07 ms): under 2% of a core per waiting reader.
-MERGE_INTERVAL = 0.01 if sysconfig.get_config_var("Py_GIL_DISABLED") else None
 #: Seconds interpreter exit waits before saying on stderr which threads it is waiting for.
 EXIT_NOTICE = 10.0
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..._gil import MERGE_INTERVAL
+
 __all__ = ["DecoderKey", "DecoderRegistry"]
 
 #: ``(engine, device index, configuration, CPU threads, fancy upsampling, batch size)``: what a Decoder is
@@ -68,7 +70,7 @@ class DecoderRegistry:
         with self._returned:
             idle = self._idle.setdefault(key, [])
             while not idle and self._made.get(key, 0) >= limit:
-                self._returned.wait()
+                self._returned.wait(MERGE_INTERVAL)  # the waiter's own dropped objects, freed (3.13t)
             if idle:
                 return idle.pop()  # the most recently used: others stay idle, and unmade under light load
             self._made[key] = self._made.get(key, 0) + 1
