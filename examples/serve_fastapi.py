@@ -53,10 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/server.py: 
 
 from server import MEAN, SIZE, STD, Limits, Refused
 
-from threadloader import BatchDecoder, LoaderClosedError, OutputFormat, QueueFullError, SampleError
+from threadloader import (
+    BatchDecoder,
+    LoaderClosedError,
+    MicroBatcher,
+    OutputFormat,
+    QueueFullError,
+    SampleError,
+)
 from threadloader.decode import ImageDecoder
 from threadloader.decode.pillow import decode_rgb, header_size
-from threadloader.service import MicroBatcher
 
 MODES = ("batched", "per-request", "pillow")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait: about one queue's worth of batches

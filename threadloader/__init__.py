@@ -13,7 +13,7 @@ from ._tar import ShardError, TarMember, TarShards
 from .decode.base import DEFAULT_MAX_PIXELS
 from .errors import CPUFallbackWarning, LoaderClosedError, SampleError, ThreadLoaderError
 from .loader import ThreadLoader
-from .service import BatchDecoder, QueueFullError, ServiceStats
+from .service import BatchDecoder, BatcherStats, MicroBatcher, QueueFullError, ServiceStats
 
 __version__ = "0.1.0"
 
@@ -22,10 +22,12 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "STAGES",
     "BatchDecoder",
+    "BatcherStats",
     "CPUFallbackWarning",
     "ImageFolder",
     "LoaderClosedError",
     "LoaderStats",
+    "MicroBatcher",
     "OutputFormat",
     "QueueFullError",
     "SampleError",
