@@ -51,7 +51,7 @@ from starlette.exceptions import HTTPException
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/server.py: the limits and the model
 
-from server import MEAN, SIZE, STD, Limits, Refused
+from server import MEAN, SIZE, STD, Limits, Refused, checked_pixels
 
 from threadloader import (
     BatchDecoder,
@@ -62,7 +62,7 @@ from threadloader import (
     SampleError,
 )
 from threadloader.decode import ImageDecoder
-from threadloader.decode.pillow import decode_rgb, header_size
+from threadloader.decode.pillow import decode_rgb
 
 MODES = ("batched", "per-request", "pillow")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait: about one queue's worth of batches
@@ -145,7 +145,7 @@ class Service:
 
     async def predict(self, body: bytes) -> dict[str, Any]:
         """Decodes and classifies one image, holding its pixels in the in-flight budget meanwhile."""
-        pixels = self._checked_pixels(body)
+        pixels = checked_pixels(body, self.limits.max_pixels)
         if self.pixels_in_flight + pixels > self.limits.max_pixels_in_flight:
             raise Overloaded("the server is decoding as many pixels as it allows")
         self.pixels_in_flight += pixels
@@ -161,20 +161,6 @@ class Service:
             self.pixels_in_flight -= pixels
         answer: dict[str, Any] = await self.batcher.arun(image)
         return answer
-
-    def _checked_pixels(self, body: bytes) -> int:
-        """The image's pixels from its header alone (nothing decoded), refused past ``max_pixels``."""
-        try:
-            width, height = header_size(body)
-        except Exception as exc:
-            raise SampleError.from_exception(exc, index=0, origin="body", stage="decode") from exc
-        if width * height > self.limits.max_pixels:
-            raise Refused(
-                413,
-                f"the image is {width}x{height}, {width * height:,} pixels; this server decodes at most "
-                f"{self.limits.max_pixels:,} pixels per image: send a smaller image",
-            )
-        return width * height
 
     async def _in_pool(self, work: Callable[[bytes], Any], body: bytes) -> Any:
         """``work(body)`` in the thread pool, refused (503) when ``max_queue`` requests are there."""

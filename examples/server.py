@@ -95,6 +95,21 @@ class Refused(Exception):
         self.headers = headers or {}
 
 
+def checked_pixels(body: bytes, max_pixels: int) -> int:
+    """The image's pixels from its header alone (nothing decoded), refused (413) past ``max_pixels``."""
+    try:
+        width, height = header_size(body)
+    except Exception as exc:
+        raise SampleError.from_exception(exc, index=0, origin="body", stage="decode") from exc
+    if width * height > max_pixels:
+        raise Refused(
+            413,
+            f"the image is {width}x{height}, {width * height:,} pixels; this server decodes at most "
+            f"{max_pixels:,} pixels per image: send a smaller image",
+        )
+    return width * height
+
+
 class PixelBudget:
     """A semaphore counted in pixels: decode memory grows with an image's pixels, whatever its file size
     (a 9000x9000 PNG of one colour is a few hundred KB), so this bounds it across all requests."""
@@ -164,19 +179,10 @@ class Classifier:
 
     def predict(self, body: bytes) -> dict[str, Any]:
         """Decodes and classifies one image on a stream of its own, within the pixel limits."""
-        try:
-            width, height = header_size(body)  # the header only: nothing decoded yet
-        except Exception as exc:
-            raise SampleError.from_exception(exc, index=0, origin="body", stage="decode") from exc
-        if width * height > self.limits.max_pixels:
-            raise Refused(
-                413,
-                f"the image is {width}x{height}, {width * height:,} pixels; this server decodes at most "
-                f"{self.limits.max_pixels:,} pixels per image: send a smaller image",
-            )
+        pixels = checked_pixels(body, self.limits.max_pixels)
         cuda = self.device.type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream(self.device)) if cuda else nullcontext():
-            with self.budget.hold(width * height, timeout=self.limits.decode_wait_s):
+            with self.budget.hold(pixels, timeout=self.limits.decode_wait_s):
                 image = self._decode(body)  # ready on this stream: BatchDecoder made it wait for it
             answer: dict[str, Any] = {"shape": list(image.shape)}
             if self.model is None:
