@@ -51,7 +51,7 @@ from starlette.exceptions import HTTPException
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/server.py: the limits and the model
 
-from server import MEAN, SIZE, STD, Limits, Refused, checked_pixels
+from server import MEAN, SIZE, STD, Limits, Refused, add_limit_arguments, checked_pixels, limits_from
 
 from threadloader import (
     BatchDecoder,
@@ -395,7 +395,6 @@ def _json_service_unavailable() -> None:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    defaults = Limits()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
@@ -406,29 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-delay-ms", type=float, default=Settings.max_delay_ms)
     parser.add_argument("--max-queue", type=int, default=Settings.max_queue, help="per stage; more: 503")
     parser.add_argument("--threads", type=int, default=Settings.threads, help="pool (per-request, pillow)")
-    parser.add_argument(
-        "--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20, help="more: 413"
-    )
-    parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels, help="per image; more: 413")
-    parser.add_argument(
-        "--max-pixels-in-flight", type=int, default=defaults.max_pixels_in_flight, help="more: 503"
-    )
-    parser.add_argument("--timeout", type=float, default=defaults.socket_timeout_s, help="keep-alive idle s")
-    parser.add_argument(
-        "--request-timeout", type=float, default=defaults.request_timeout_s, help="body s; 408"
-    )
-    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="more: 503")
+    add_limit_arguments(parser, max_connections=MAX_CONNECTIONS, request_clock="its headers' arrival")
     args = parser.parse_args(argv)
-    if args.max_pixels_in_flight < args.max_pixels:
-        parser.error("--max-pixels-in-flight must be at least --max-pixels, or the largest images never fit")
-    limits = Limits(
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        max_pixels=args.max_pixels,
-        max_pixels_in_flight=args.max_pixels_in_flight,
-        socket_timeout_s=args.timeout,
-        request_timeout_s=args.request_timeout,
-        max_connections=args.max_connections,
-    )
+    limits = limits_from(parser, args)
     settings = Settings(
         mode=args.mode,
         device=args.device,

@@ -414,6 +414,51 @@ def _as_sent(value: str) -> str:
     return value.encode("latin-1", "replace").decode("utf-8", "replace")
 
 
+def add_limit_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    request_clock: str = "the connection's accept or the previous reply",
+) -> None:
+    """The options of :class:`Limits`, for this server and the examples that reuse its limits.
+
+    ``request_clock`` says from when a server counts ``--request-timeout``, which differs between them.
+    """
+    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB, help="larger bodies: 413")
+    parser.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="per image, from its header")
+    parser.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=MAX_PIXELS_IN_FLIGHT,
+        help="pixels decoded at once across requests (bounds decode memory); at least --max-pixels",
+    )
+    parser.add_argument("--timeout", type=float, default=SOCKET_TIMEOUT_S, help="seconds a client may idle")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help=f"seconds for a whole request (line, headers, body) to arrive, from {request_clock}; past "
+        "it: 408 and disconnected (however often the client sends a byte)",
+    )
+    parser.add_argument("--max-connections", type=int, default=max_connections, help="more: 503")
+
+
+def limits_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Limits:
+    """The :class:`Limits` that :func:`add_limit_arguments`' options ask for; a bad pair exits as usage."""
+    if not args.request_timeout > 0:
+        parser.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    if args.max_pixels_in_flight < args.max_pixels:
+        parser.error("--max-pixels-in-flight must be at least --max-pixels, or the largest images never fit")
+    return Limits(
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_pixels=args.max_pixels,
+        max_pixels_in_flight=args.max_pixels_in_flight,
+        socket_timeout_s=args.timeout,
+        request_timeout_s=args.request_timeout,
+        max_connections=args.max_connections,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -428,28 +473,9 @@ def main(argv: list[str] | None = None) -> None:
         default="resnet50",
         help="none: decode only, answer a checksum",
     )
-    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB, help="larger bodies: 413")
-    parser.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="per image, from its header")
-    parser.add_argument(
-        "--max-pixels-in-flight",
-        type=int,
-        default=MAX_PIXELS_IN_FLIGHT,
-        help="pixels decoded at once across requests (bounds decode memory); at least --max-pixels",
-    )
-    parser.add_argument("--timeout", type=float, default=SOCKET_TIMEOUT_S, help="seconds a client may idle")
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=REQUEST_TIMEOUT_S,
-        help="seconds for a whole request (line, headers, body) to arrive, from the connection's accept "
-        "or the previous reply; past it: 408 and disconnected (however often the client sends a byte)",
-    )
-    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help="more: 503")
+    add_limit_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.request_timeout > 0:
-        parser.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
-    if args.max_pixels_in_flight < args.max_pixels:
-        parser.error("--max-pixels-in-flight must be at least --max-pixels, or the largest images never fit")
+    limits = limits_from(parser, args)
 
     classifier = Classifier(
         mode=args.mode,
@@ -457,14 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=args.max_batch,
         max_delay_ms=args.max_delay_ms,
         model=args.model,
-        limits=Limits(
-            max_body_bytes=int(args.max_body_mb * 2**20),
-            max_pixels=args.max_pixels,
-            max_pixels_in_flight=args.max_pixels_in_flight,
-            socket_timeout_s=args.timeout,
-            request_timeout_s=args.request_timeout,
-            max_connections=args.max_connections,
-        ),
+        limits=limits,
     )
     server = Server((args.host, args.port), classifier)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
