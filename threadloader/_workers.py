@@ -111,14 +111,20 @@ class ThreadGroup:
         ]
         #: Set by each thread as its last step: what joining waits for (see join_until).
         self._ended = [threading.Event() for _ in range(count)]
+        # Set once every thread has started: none works before. On a free-threaded build a start beside a
+        # busy sibling on its core waited for it (docs/design.md, "Free-threaded Python").
+        self._go = threading.Event()
         with _exit_lock:
             exited = _exited
             if not exited:
                 _groups.add(self)
         if exited:
             raise _exiting()
-        for thread in self._threads:
-            thread.start()
+        try:
+            for thread in self._threads:
+                thread.start()
+        finally:
+            self._go.set()
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -177,6 +183,7 @@ class ThreadGroup:
 
     def _run(self, target: Callable[[int], None], index: int) -> None:
         try:
+            self._go.wait()  # set by the constructor once it has started every thread
             bind_cancel(self.cancelled)
             _one_intra_op_thread()
             with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
