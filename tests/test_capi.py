@@ -186,6 +186,42 @@ def test_a_corrupt_image_fails_alone_in_its_call(cpu_decoder: _capi.Decoder) -> 
     assert decoded[0] is True
 
 
+def test_a_call_submitted_while_the_decoder_works_on_another_decodes_both() -> None:
+    """The registry returns a Decoder once a call is submitted (``_registry.py``): a second thread's
+    call then starts before the first has been waited for. Each workspace keeps its code streams until
+    its own wait, whichever thread waits first, and both batches get Pillow's pixels."""
+    decoder = _capi.Decoder(
+        INSTANCE, device_id=_capi.DEVICE_CPU_ONLY, backends=[(_capi.CPU_ONLY, 1.0)], cpu_threads=3
+    )
+    sizes = [(480, 640), (300, 200), (640, 480), (50, 70), (512, 512), (257, 193)]
+    batches = [
+        [encode(photo(h, w, seed * 10 + i), quality=90) for i, (h, w) in enumerate(sizes)] for seed in (1, 2)
+    ]
+    try:
+        submitted = []
+        for blobs in batches:
+            workspace = _capi.Workspace(INSTANCE)
+            assert workspace.parse(blobs) == [0] * len(blobs)
+            memory = [np.full((h, w, 3), GUARD, dtype=np.uint8) for h, w in sizes]
+            bound = workspace.bind(
+                range(len(sizes)),
+                [m.ctypes.data for m in memory],
+                sizes,
+                [w * 3 for _, w in sizes],
+                stream=None,
+                host=True,
+            )
+            assert bound == [0] * len(sizes)
+            submitted.append((workspace.submit(decoder, range(len(sizes))), memory, blobs))
+        for call, memory, blobs in reversed(submitted):  # the later call waited for first
+            assert call.wait() == [True] * len(sizes)
+            assert call.wait() == [True] * len(sizes)  # the same results again, not a second wait
+            for image, data in zip(memory, blobs, strict=True):
+                np.testing.assert_array_equal(image, pil_reference(data))
+    finally:
+        decoder.destroy()
+
+
 def test_handles_are_reused_batch_after_batch() -> None:
     workspace = _capi.Workspace(INSTANCE)
     blobs = [encode(photo(20, 30, 40 + i)) for i in range(5)]

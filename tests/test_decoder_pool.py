@@ -417,6 +417,125 @@ def test_a_pool_whose_last_claim_ends_destroys_its_decoders_idle_at_once_busy_on
     assert registry.acquire(KEY, 1) == 3
 
 
+def test_a_decoder_still_working_takes_a_call_only_once_the_pool_is_at_its_limit() -> None:
+    """A Decoder returned with its call submitted but not yet waited for is not free: a second Decoder
+    is made for the next call while under the limit (two decode at once), and at the limit the call
+    queues on the one with the fewest calls under way rather than waiting for a lease."""
+    registry = DecoderRegistry(_Recorder().new)
+    first = registry.acquire(KEY, 2)
+    registry.release(KEY, first, pending=True)
+    second = registry.acquire(KEY, 2)
+    assert second != first and registry.made(KEY) == 2
+    registry.release(KEY, second, pending=True)
+    queued = registry.acquire(KEY, 2)  # both working: it queues on one of them
+    registry.release(KEY, queued, pending=True)
+    assert registry.acquire(KEY, 2) == ({first, second} - {queued}).pop()  # the one with fewer calls
+    registry.settle(KEY, first)
+    registry.settle(KEY, second)
+    registry.settle(KEY, queued)
+    assert registry.made(KEY) == 2
+
+
+def test_a_pool_that_ends_destroys_a_decoder_only_once_its_calls_are_waited_for() -> None:
+    """nvImageCodec's threads still read a submitted call's code streams and write its memory: its
+    Decoder outlives the pool's end until the caller has waited (``settle``)."""
+    destroyed: list[object] = []
+    registry = DecoderRegistry(_Recorder().new, lambda key, decoder: destroyed.append(decoder))
+    registry.claim([KEY])
+    working, leased = registry.acquire(KEY, 2), registry.acquire(KEY, 2)
+    registry.release(KEY, working, pending=True)
+    assert registry.acquire(KEY, 2) == working  # at the limit: a second call queues on it
+    registry.release(KEY, working, pending=True)
+    registry.unclaim([KEY])
+    assert destroyed == [] and registry.made(KEY) == 2
+    registry.release(KEY, leased, pending=True)  # its call submitted after the end
+    assert destroyed == []
+    registry.settle(KEY, working)
+    assert destroyed == []  # one call of two waited for
+    registry.settle(KEY, working)
+    assert destroyed == [working] and registry.made(KEY) == 1
+    registry.settle(KEY, leased)
+    assert destroyed == [working, leased] and registry.made(KEY) == 0
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_reader_returns_its_decoder_once_its_call_is_submitted(
+    monkeypatch: pytest.MonkeyPatch, queued: bool
+) -> None:
+    """With THREADLOADER_QUEUED_DECODE=1 and one Decoder, a second reader's call is submitted while the
+    first reader still waits for its own, instead of waiting for the lease (without it, it waits); a
+    call whose wait fails sends its samples to Pillow. Both calls are waited for before the Decoder can
+    be destroyed."""
+    import torch
+
+    from threadloader._stats import StatsRecorder
+    from threadloader.decode.nvimgcodec import QUEUE_ENV, NvImageCodecDecoder
+
+    monkeypatch.setenv(QUEUE_ENV, "1" if queued else "0")
+
+    destroyed: list[object] = []
+    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: destroyed.append(decoder))
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend="cuda", registry=registry
+    )
+    key = ("fake", 0, "cuda", 1, True, 0)
+    registry.claim([key])
+    gate, submitted = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    class Call:
+        queued = True
+
+        def __init__(self, memory: dict[int, object], fails: bool) -> None:
+            self.memory, self.fails = memory, fails
+
+        def result(self) -> dict[int, tuple[int, int] | None]:
+            if self.fails:
+                raise RuntimeError("no results today")
+            assert gate.wait(10)
+            return dict.fromkeys(self.memory, (2, 3))
+
+    class Batch:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def submit(self, leased: object, memory: dict[int, object], stream: int) -> Call:
+            seen.append(leased)
+            submitted.set()
+            return Call(memory, self.fails)
+
+    results: dict[str, object] = {}
+
+    def read(name: str, positions: list[int], fails: bool) -> None:
+        calls = [(key, None, dict.fromkeys(positions))]
+        results[name] = decoder._decode_leased(calls, Batch(fails), 0, StatsRecorder())  # type: ignore[arg-type]
+
+    first = threading.Thread(target=read, args=("first", [0, 1], False))
+    first.start()
+    assert submitted.wait(10)
+    second = threading.Thread(target=read, args=("second", [2], True))
+    second.start()
+    second.join(10 if queued else 0.3)
+    if not queued:
+        assert second.is_alive() and len(seen) == 1  # it waits for the lease
+        gate.set()
+        second.join(10)
+    assert not second.is_alive(), "the second call waited for the first reader's lease"
+    assert len(seen) == 2 and seen[0] is seen[1]  # one Decoder
+    assert results["second"].reasons == {2: "nvImageCodec failed (no results today)"}  # type: ignore[attr-defined]
+    if queued:
+        assert first.is_alive()  # two calls were in flight on it
+        registry.unclaim([key])
+        assert destroyed == []  # the first call is not yet waited for
+        gate.set()
+    else:
+        first.join(10)
+        registry.unclaim([key])
+    first.join(10)
+    assert results["first"].extents == {0: (2, 3), 1: (2, 3)}  # type: ignore[attr-defined]
+    assert destroyed == [seen[0]]
+
+
 def test_a_pool_never_claimed_keeps_its_decoders() -> None:
     """A test's registry, or a pool leased directly: nothing ends it."""
     destroyed: list[object] = []

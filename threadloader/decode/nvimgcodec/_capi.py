@@ -22,6 +22,7 @@ place), destroyed with it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -61,6 +62,7 @@ __all__ = [
     "Decoder",
     "Instance",
     "Library",
+    "Submitted",
     "Unsupported",
     "Workspace",
     "load",
@@ -377,7 +379,7 @@ BackendSpec = tuple[int, float]
 
 
 class Decoder:
-    """An nvImageCodec Decoder: one thread calls it at a time (its pool, ``_registry.py``, ensures it).
+    """An nvImageCodec Decoder: one thread submits to it at a time (its pool, ``_registry.py``, ensures it).
 
     Args:
         instance: The process's instance.
@@ -447,8 +449,8 @@ class Workspace:
     """One thread's code streams, output images and their ImageInfos, reused batch after batch.
 
     Owned by one thread at a time: nothing here is locked. Positions are a batch's indices; a batch is
-    parsed (:meth:`parse`), given its outputs (:meth:`bind`), and decoded (:meth:`decode`) before the
-    next one reuses the handles.
+    parsed (:meth:`parse`), given its outputs (:meth:`bind`), and decoded (:meth:`submit`, then
+    :meth:`Submitted.wait`; or :meth:`decode`) before the next one reuses the handles.
 
     Attributes:
         infos: Per position, the header nvImageCodec read (:meth:`parse`), then the output it is
@@ -653,45 +655,39 @@ class Workspace:
             )
 
     def decode(self, decoder: Decoder, positions: Sequence[int]) -> list[bool]:
-        """Decodes the bound positions in one call; whether each succeeded.
+        """Decodes the bound positions in one call and waits for it; whether each succeeded.
 
-        The GIL is let go for the call and the wait (nvImageCodec's own threads do the host work).
-        Once this returns, the host work is done and the device work is ordered before later work on
-        the stream given to :meth:`bind`.
+        :meth:`submit`, then :meth:`Submitted.wait`.
+        """
+        return self.submit(decoder, positions).wait()
+
+    def submit(self, decoder: Decoder, positions: Sequence[int]) -> Submitted:
+        """Starts decoding the bound positions in one call; :meth:`Submitted.wait` gives the results.
+
+        Once this returns, another thread may submit to the same Decoder: nvImageCodec starts that
+        call when this one's host work is done, without waiting for this thread to come back for its
+        results. Until :meth:`Submitted.wait` returns, this workspace must not parse or bind again.
 
         Raises:
-            RuntimeError: If the call itself fails (not an image: those are ``False``).
+            RuntimeError: If the call itself fails (not an image: those are ``False`` in the results).
         """
         count = len(positions)
         if count == 0:
-            return []
+            return Submitted(self, None, 0)
         self._check_positions(positions)
         if count > _MAX_RESULT_POSITIONS:
             raise ValueError(f"at most {_MAX_RESULT_POSITIONS} images per decode call, got {count}")
         index = np.asarray(positions, dtype=np.intp)
-        streams = self._chosen[index]  # fancy indexing: contiguous copies
+        streams = self._chosen[index]  # fancy indexing: contiguous copies, kept until the wait
         images = self._images[index]
-        library = self._library
         future = c_void_p()
-        status = library.DecoderDecode(
+        status = self._library.DecoderDecode(
             decoder.handle, streams.ctypes.data, images.ctypes.data, count, ctypes.byref(self._params),
             ctypes.byref(future),
         )  # fmt: skip
         if status != 0 or not future.value:
             raise RuntimeError(f"nvimgcodecDecoderDecode failed with {status_name(status)}")
-        try:
-            status = library.FutureWaitForAll(future)
-            results = (c_uint32 * count)()
-            got = c_size_t()
-            if status == 0:
-                status = library.FutureGetProcessingStatus(future, results, ctypes.byref(got))
-        finally:
-            library.FutureDestroy(future)
-        if status != 0 or got.value != count:
-            raise RuntimeError(
-                f"nvImageCodec's decode failed with {status_name(status)} ({got.value} results)"
-            )
-        return [result == _SUCCESS for result in results]
+        return Submitted(self, future, count, (streams, images))
 
     def close(self) -> None:
         """Destroys the code streams and images (never while a decode of this workspace runs)."""
@@ -710,6 +706,62 @@ class Workspace:
         # At interpreter exit the library may already be going away: the process frees it all anyway.
         if not sys.is_finalizing():
             self.close()
+
+
+class Submitted:
+    """A decode call under way, from :meth:`Workspace.submit`: its results once its host work is done.
+
+    Waiting is the submitting thread's, once: the future, the workspace's code streams and the decode
+    parameters stay alive until then, as nvImageCodec needs (its worker threads read them).
+    """
+
+    def __init__(
+        self, workspace: Workspace, future: c_void_p | None, count: int, keep: tuple[Any, ...] = ()
+    ) -> None:
+        self._workspace = workspace
+        self._future = future
+        self._count = count
+        self._keep = keep
+        self._results: list[bool] | None = None if future is not None else []
+
+    def wait(self) -> list[bool]:
+        """Waits for the call's host work (the GIL let go); whether each position decoded.
+
+        Once this returns, the device work is ordered before later work on the stream given to
+        :meth:`Workspace.bind`. Later calls return the same results.
+
+        Raises:
+            RuntimeError: If nvImageCodec reports the call as a whole failed (raised once).
+        """
+        if self._results is not None:
+            return self._results
+        future, self._future = self._future, None
+        if future is None:
+            raise RuntimeError("this decode call's wait already failed")
+        library = self._workspace._library
+        count = self._count
+        try:
+            status = library.FutureWaitForAll(future)
+            results = (c_uint32 * count)()
+            got = c_size_t()
+            if status == 0:
+                status = library.FutureGetProcessingStatus(future, results, ctypes.byref(got))
+        finally:
+            library.FutureDestroy(future)
+            self._keep = ()
+        if status != 0 or got.value != count:
+            raise RuntimeError(
+                f"nvImageCodec's decode failed with {status_name(status)} ({got.value} results)"
+            )
+        self._results = [result == _SUCCESS for result in results]
+        return self._results
+
+    def __del__(self) -> None:
+        # Dropped unwaited (its thread interrupted): wait, so the workspace is not reused or freed under
+        # nvImageCodec's threads. At interpreter exit the library may already be going away.
+        if self._future is not None and not sys.is_finalizing():
+            with contextlib.suppress(RuntimeError):
+                self.wait()
 
 
 def _package_directory() -> Path:

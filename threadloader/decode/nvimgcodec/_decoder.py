@@ -10,6 +10,7 @@ device (``_startup.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_BACKEND",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_GPU_DECODERS",
+    "QUEUE_ENV",
     "REGION_BACKEND",
     "NvImageCodecDecoder",
     "check_options",
@@ -68,6 +70,11 @@ _REGIONS_TO_JUDGE = 8
 #: Set to 0 to decode through nvImageCodec's Python API instead of its C API (read when a decoder is
 #: built): the escape hatch, should the binding misbehave where its self-test passed.
 CAPI_ENV = "THREADLOADER_CAPI"
+
+#: Set to 1 to return a Decoder to its pool once a call is submitted rather than once it returns, so the
+#: next reader's call queues inside nvImageCodec (read when a decoder is built). Off until measured on a
+#: GPU against the default (docs/design.md, "Queued decode calls").
+QUEUE_ENV = "THREADLOADER_QUEUED_DECODE"
 
 logger = logging.getLogger("threadloader")
 
@@ -199,6 +206,7 @@ class NvImageCodecDecoder(ImageDecoder):
         if engine is None:  # the environment is read now, as the rest of the configuration
             engine = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
         self._wanted = engine
+        self._queue_calls = os.environ.get(QUEUE_ENV, "0") == "1"
         self._registry = registry
         configs = BACKENDS[backend]
         self._pace = Pace(configs, settled=_BESIDE_A_BUSY_GPU) if len(configs) > 1 else None
@@ -454,8 +462,10 @@ class NvImageCodecDecoder(ImageDecoder):
     ) -> _Decoded:
         """Calls a leased Decoder of each pool with its positions and their memory.
 
-        A sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting
-        for a free Decoder is the ``decode_lock`` stage. A call with a turn is timed for the pace of
+        With :data:`QUEUE_ENV` set to ``1``, the lease ends once the call is submitted, not when it
+        returns: the next reader's call queues inside nvImageCodec (``_registry.py`` says why). A
+        sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting for
+        a free Decoder is the ``decode_lock`` stage. A call with a turn is timed for the pace of
         ``backend="auto"``.
         """
         decoded = _Decoded()
@@ -468,16 +478,27 @@ class NvImageCodecDecoder(ImageDecoder):
                     self._pace.abandon(turn)
                 raise
             extents: dict[int, tuple[int, int] | None] = dict.fromkeys(memory)
-            started, took = time.perf_counter(), None
+            started, took, queued = time.perf_counter(), None, None
             try:
                 with stats.timed("decode"):
-                    extents = batch.decode(decoder, memory, handle)
+                    pending = batch.submit(decoder, memory, handle)
+                    if pending.queued and self._queue_calls:
+                        self._registry.release(key, decoder, pending=True)
+                        queued = pending
+                    extents = pending.result()
                 took = time.perf_counter() - started
             except Exception as exc:  # the whole call failed: each sample to Pillow
                 decoded.reasons.update(dict.fromkeys(memory, f"nvImageCodec failed ({exc})"))
                 took = 0.0
             finally:
-                self._registry.release(key, decoder)
+                if queued is None:
+                    self._registry.release(key, decoder)
+                else:
+                    try:
+                        with contextlib.suppress(Exception):  # a failure is each sample's reason already
+                            queued.result()  # waited for even when interrupted: its threads read our memory
+                    finally:
+                        self._registry.settle(key, decoder)
                 if turn is not None and self._pace is not None:
                     if took is None:  # cancelled or interrupted: no measurement
                         self._pace.abandon(turn)

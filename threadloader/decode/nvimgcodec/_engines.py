@@ -35,6 +35,7 @@ __all__ = [
     "EngineBatch",
     "Headers",
     "Memory",
+    "Pending",
     "PythonApiEngine",
     "decoder_options",
     "engine_named",
@@ -165,18 +166,51 @@ class EngineBatch(ABC):
         """Decodes the whole images at ``positions`` again."""
 
     @abstractmethod
-    def decode(
-        self, decoder: Any, memory: dict[int, Memory], stream: int
-    ) -> dict[int, tuple[int, int] | None]:
-        """Decodes each position of ``memory`` into it, in one call, ordered on ``stream``.
-
-        Returns:
-            Per position, the ``(height, width)`` it decoded as (its memory's shape, unless it is in
-            :attr:`uncertain`), or ``None`` where nvImageCodec gave up on it.
+    def submit(self, decoder: Any, memory: dict[int, Memory], stream: int) -> Pending:
+        """Starts decoding each position of ``memory`` into it, in one call, ordered on ``stream``.
 
         Raises:
             Exception: If the call as a whole failed.
         """
+
+    def decode(
+        self, decoder: Any, memory: dict[int, Memory], stream: int
+    ) -> dict[int, tuple[int, int] | None]:
+        """:meth:`submit`, then its :meth:`Pending.result`."""
+        return self.submit(decoder, memory, stream).result()
+
+
+class Pending(ABC):
+    """A call of :meth:`EngineBatch.submit`, under way or done."""
+
+    #: Whether the Decoder may still be working on the call after ``submit`` returned: it can take the
+    #: next call meanwhile (nvImageCodec starts it when this one's host work is done), but must not be
+    #: destroyed before :meth:`result` returns.
+    queued: bool
+
+    @abstractmethod
+    def result(self) -> dict[int, tuple[int, int] | None]:
+        """Waits for the call; per position, the ``(height, width)`` it decoded as, or ``None``.
+
+        The shape is its memory's, unless the position is in :attr:`EngineBatch.uncertain`; ``None``
+        where nvImageCodec gave up on it. Once this returns, the device work is ordered before later
+        work on the stream. Later calls return the same.
+
+        Raises:
+            Exception: If the call as a whole failed.
+        """
+
+
+class _Done(Pending):
+    """A call that was over when ``submit`` returned (the Python API's decode waits)."""
+
+    queued = False
+
+    def __init__(self, extents: dict[int, tuple[int, int] | None]) -> None:
+        self._extents = extents
+
+    def result(self) -> dict[int, tuple[int, int] | None]:
+        return self._extents
 
 
 class Engine(ABC):
@@ -261,9 +295,7 @@ class _CApiBatch(EngineBatch):
     def uncrop(self, positions: Sequence[int]) -> None:
         self._workspace.uncrop(positions)
 
-    def decode(
-        self, decoder: Any, memory: dict[int, Memory], stream: int
-    ) -> dict[int, tuple[int, int] | None]:
+    def submit(self, decoder: Any, memory: dict[int, Memory], stream: int) -> Pending:
         positions = list(memory)
         places = list(memory.values())
         bound = self._workspace.bind(
@@ -274,11 +306,23 @@ class _CApiBatch(EngineBatch):
             stream=stream,
             host=decoder.host,
         )
-        extents: dict[int, tuple[int, int] | None] = dict.fromkeys(positions)
         ready = [p for p, status in zip(positions, bound, strict=True) if status == 0]
-        for position, decoded in zip(ready, self._workspace.decode(decoder, ready), strict=True):
+        return _CApiPending(self._workspace.submit(decoder, ready), memory, ready)
+
+
+class _CApiPending(Pending):
+    queued = True
+
+    def __init__(self, submitted: _capi.Submitted, memory: dict[int, Memory], ready: list[int]) -> None:
+        self._submitted = submitted
+        self._memory = memory
+        self._ready = ready
+
+    def result(self) -> dict[int, tuple[int, int] | None]:
+        extents: dict[int, tuple[int, int] | None] = dict.fromkeys(self._memory)
+        for position, decoded in zip(self._ready, self._submitted.wait(), strict=True):
             if decoded:
-                extents[position] = memory[position].shape
+                extents[position] = self._memory[position].shape
         return extents
 
 
@@ -403,9 +447,7 @@ class _PythonBatch(EngineBatch):
         for position in positions:
             self._streams[position] = self._wholes.pop(position)
 
-    def decode(
-        self, decoder: Any, memory: dict[int, Memory], stream: int
-    ) -> dict[int, tuple[int, int] | None]:
+    def submit(self, decoder: Any, memory: dict[int, Memory], stream: int) -> Pending:
         positions = list(memory)
         wrapped = self._nv.as_images([_DeviceBuffer(memory[p]) for p in positions], cuda_stream=stream)
         results = decoder.decode(
@@ -421,7 +463,7 @@ class _PythonBatch(EngineBatch):
                 if position in self.uncertain
                 else place.shape
             )
-        return extents
+        return _Done(extents)
 
 
 def _extent_in(result: Any, place: Memory) -> tuple[int, int] | None:

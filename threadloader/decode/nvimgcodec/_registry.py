@@ -5,6 +5,13 @@ the process (segmentation fault, nvjpeg "execution failed"), while separate Deco
 decode at the same time safely, and two of them decode more images per second than one
 (docs/design.md, "Decoder engines"). So a reader thread leases a Decoder for each call.
 
+Why a lease ends before the call's wait: nvImageCodec's decode call returns a future, and the next call
+on the Decoder begins by waiting for the previous one's host work (``image_generic_codec.h``, 0.8-0.9).
+A reader that returns the Decoder once its call is submitted (``pending=True``) lets the next reader
+queue its call inside nvImageCodec, which starts it the moment the Decoder is free: no Python thread
+has to wake up, win the GIL back and hand the Decoder on first. Such a Decoder is not destroyed until
+every call submitted to it has been waited for (:meth:`DecoderRegistry.settle`).
+
 Why pools end: a Decoder holds device memory and threads of its own, and a pool's key follows the
 options (backend, threads, batch size), so a notebook or a server that builds loaders with different
 settings made a new pool for each and kept them all. Each decoder claims the pools it uses while it is
@@ -36,8 +43,9 @@ class DecoderRegistry:
 
     Decoders are leased: a thread holds one for a call and returns it, so no two calls into one Decoder
     run at once, whichever loader or service makes them, while different Decoders decode in parallel.
-    A pool makes Decoders only when every one it has is busy, up to the limit its caller gives: a single
-    reader thread never costs the memory of a second Decoder. A pool that has been claimed
+    A pool makes Decoders only when every one it has is leased or still working on a call, up to the
+    limit its caller gives: a single reader thread never costs the memory of a second Decoder. At the
+    limit, a call queues on a Decoder still working rather than wait for a lease. A pool that has been claimed
     (:meth:`claim`) lives while it is claimed; one never claimed (a test's) keeps its Decoders. The
     library uses one registry (``SHARED``); a test makes its own, with Decoders of its own making.
 
@@ -56,14 +64,19 @@ class DecoderRegistry:
         self._idle: dict[Hashable, list[Any]] = {}
         self._made: dict[Hashable, int] = {}
         self._claims: dict[Hashable, int] = {}
+        # Per Decoder (by identity) returned with calls not yet waited for: how many.
+        self._pending: dict[int, int] = {}
+        self._doomed: set[int] = set()  # of those, the ones of ended pools: destroyed once settled
         self._verdicts: dict[Hashable, bool] = {}
         self._allocation_streams: dict[int, torch.cuda.Stream] = {}
 
     def acquire(self, key: Hashable, limit: int) -> Any:
         """A Decoder for ``key`` that no other thread calls until :meth:`release`.
 
-        An idle one if there is one; else a new one while fewer than ``limit`` exist for ``key``; else
-        waits for one to be released (every holder releases it when its call returns).
+        An idle one with no call under way if there is one; else a new one while fewer than ``limit``
+        exist for ``key``; else an idle one still working (the call queues behind its work in
+        nvImageCodec); else waits for one to be released (every holder releases it once its call is
+        submitted or returns).
         """
         if limit < 1:
             raise ValueError(f"a Decoder pool needs a limit of at least 1, got {limit}")
@@ -71,8 +84,11 @@ class DecoderRegistry:
             idle = self._idle.setdefault(key, [])
             while not idle and self._made.get(key, 0) >= limit:
                 self._returned.wait(MERGE_INTERVAL)  # the waiter's own dropped objects, freed (3.13t)
-            if idle:
-                return idle.pop()  # the most recently used: others stay idle, and unmade under light load
+            free = [at for at, decoder in enumerate(idle) if id(decoder) not in self._pending]
+            if free:
+                return idle.pop(free[-1])  # the most recently used: others stay idle, unmade under light load
+            if self._made.get(key, 0) >= limit:
+                return idle.pop(min(range(len(idle)), key=lambda at: self._pending[id(idle[at])]))
             self._made[key] = self._made.get(key, 0) + 1
         try:
             return self._new_decoder(*key)  # type: ignore[misc]  # outside the lock: it takes a while
@@ -82,17 +98,47 @@ class DecoderRegistry:
                 self._returned.notify()
             raise
 
-    def release(self, key: Hashable, decoder: Any) -> None:
-        """Returns a Decoder from :meth:`acquire` to its pool, or destroys it if the pool has ended."""
+    def release(self, key: Hashable, decoder: Any, *, pending: bool = False) -> None:
+        """Returns a Decoder from :meth:`acquire` to its pool, or destroys it if the pool has ended.
+
+        ``pending``: a call was submitted to it and not yet waited for; the caller calls :meth:`settle`
+        once it has been, and the Decoder is not destroyed before.
+        """
         with self._returned:
+            if pending:
+                self._pending[id(decoder)] = self._pending.get(id(decoder), 0) + 1
             ended = self._claims.get(key) == 0
             if ended:
-                self._made[key] -= 1
+                ended = self._end(key, decoder)
             else:
                 self._idle[key].append(decoder)
             self._returned.notify()
         if ended:
             self._destroy(key, decoder)
+
+    def settle(self, key: Hashable, decoder: Any) -> None:
+        """Says that a call :meth:`release` was told is pending has been waited for."""
+        with self._returned:
+            left = self._pending[id(decoder)] - 1
+            if left:
+                self._pending[id(decoder)] = left
+                return
+            del self._pending[id(decoder)]
+            doomed = id(decoder) in self._doomed
+            if doomed:
+                self._doomed.discard(id(decoder))
+                self._made[key] -= 1
+                self._returned.notify()
+        if doomed:
+            self._destroy(key, decoder)
+
+    def _end(self, key: Hashable, decoder: Any) -> bool:
+        """Takes a Decoder of an ended pool out of it: whether to destroy it now (else on its settle)."""
+        if id(decoder) in self._pending:
+            self._doomed.add(id(decoder))
+            return False
+        self._made[key] -= 1
+        return True
 
     @contextmanager
     def lease(self, key: Hashable, limit: int) -> Iterator[Any]:
@@ -116,9 +162,7 @@ class DecoderRegistry:
             for key in keys:
                 left = self._claims[key] = self._claims[key] - 1
                 if left == 0:
-                    idle = self._idle.pop(key, [])
-                    self._made[key] = self._made.get(key, 0) - len(idle)
-                    ended.extend((key, decoder) for decoder in idle)
+                    ended.extend((key, d) for d in self._idle.pop(key, []) if self._end(key, d))
         for key, decoder in ended:  # outside the lock: destroying joins the Decoder's threads
             self._destroy(key, decoder)
 
@@ -133,7 +177,7 @@ class DecoderRegistry:
             self.unclaim(keys)
 
     def made(self, key: Hashable) -> int:
-        """How many Decoders exist for ``key``."""
+        """How many Decoders exist for ``key`` (those of an ended pool still working included)."""
         with self._lock:
             return self._made.get(key, 0)
 
