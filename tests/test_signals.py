@@ -22,11 +22,14 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a chi
 #: Iterates a slow CPU loader; the ``finally`` says which reader threads are still alive. ``argv[1]`` is
 #: where the consumer spends its time: waiting in ``next()`` ("wait") or in the loop body ("body").
 SCRIPT = """
-import sys, threading, time
+import signal, sys, threading, time
 from threadloader import ThreadLoader
 from tests.conftest import SlowSamples, encode, photo
 
 JPEG = encode(photo(64, 64), quality=90)
+# Ctrl-C as in a terminal, also where the test run was started in the background (a shell without job
+# control starts those with SIGINT ignored, and the script would inherit that).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 try:
     loader = ThreadLoader(SlowSamples([JPEG] * 100000, delay=0.02), batch_size=4, num_threads=3, device="cpu")
