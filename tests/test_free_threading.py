@@ -245,3 +245,24 @@ def test_a_batch_the_consumer_drops_is_freed_while_the_readers_wait() -> None:
             if not freed.wait(0.2):  # the readers wake every 10 ms on a free-threaded build
                 late.append((k, time.perf_counter() - started))
     assert not late, f"batches (index, seconds) still alive 0.2 s after the consumer dropped them: {late}"
+
+
+def test_an_answer_the_caller_drops_is_freed_while_the_service_idles() -> None:
+    """Freed at the drop, not when the worker that made it next takes a request (docs/design.md).
+
+    Three things kept it alive: a cycle through the future's done-callback (freed only by the garbage
+    collector), the worker's last micro-batch (any Python), and, on a free-threaded build, the worker
+    itself, which frees what it made and another thread dropped only when it next runs Python.
+    """
+    late: list[tuple[int, float]] = []
+    with BatchDecoder(decoder=_CountedDecoder(), num_threads=1, max_delay_ms=0, size=(64, 64)) as service:
+        for k in range(5):
+            image = service.decode(b"unread")
+            time.sleep(0.05)  # the worker is back in its wait for requests
+            freed = threading.Event()
+            weakref.finalize(image, freed.set)
+            del image
+            started = time.perf_counter()
+            if not freed.wait(0.2):
+                late.append((k, time.perf_counter() - started))
+    assert not late, f"answers (index, seconds) still alive 0.2 s after the caller dropped them: {late}"

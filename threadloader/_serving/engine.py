@@ -132,6 +132,19 @@ def _fail_unanswered(metrics: Metrics, requests: list[Request], error: BaseExcep
 
 def serve(queue: RequestQueue, runner: Runner, index: int) -> None:
     """Worker ``index``: gathers micro-batches and runs them until the queue is closed and drained."""
-    while (requests := queue.gather()) is not None:
-        if requests:
-            runner.run(requests, index)
+    while _serve_one(queue, runner, index):
+        pass
+
+
+def _serve_one(queue: RequestQueue, runner: Runner, index: int) -> bool:
+    """Gathers one micro-batch and runs it; whether the queue is still open.
+
+    A call of its own, so that the worker holds none of the batch's requests (nor, through their
+    futures, the answers) while it waits for the next: a caller that drops an answer frees it.
+    """
+    requests = queue.gather()
+    if requests is None:
+        return False
+    if requests:
+        runner.run(requests, index)
+    return True

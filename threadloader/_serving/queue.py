@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._gil import MERGE_INTERVAL
 from .._workers import POLL
 from ..errors import LoaderClosedError, QueueFullError
 
@@ -118,7 +118,7 @@ class RequestQueue:
             while not self._items:
                 if self.closed:
                     return None
-                self._not_empty.wait(POLL)
+                self._not_empty.wait(MERGE_INTERVAL or POLL)  # the waiter's dropped objects, freed (3.13t)
             deadline = self._items[0].submitted + self._max_delay
             batch: list[Request] = []
             while len(batch) < self._max_batch:
@@ -180,18 +180,22 @@ class RequestQueue:
         self._items.append(request)
         self.submitted += 1
         self._not_empty.notify()
-        request.future.add_done_callback(functools.partial(self._withdraw, request))
+        # Not a partial over the request: the future would hold it, and through it itself and its result,
+        # in a cycle that only the garbage collector frees, not the caller's dropping the result.
+        request.future.add_done_callback(self._withdraw)
         return request.future
 
-    def _withdraw(self, request: Request, _future: Future[Any]) -> None:
+    def _withdraw(self, future: Future[Any]) -> None:
         """A request's done-callback: one cancelled while queued leaves the queue and frees its slot."""
-        if not request.future.cancelled():
+        if not future.cancelled():
             return
         with self._lock:
-            try:
-                self._items.remove(request)  # O(queue), within max_queue
-            except ValueError:
-                return  # already taken by gather (and counted there) or dropped by close
+            # O(queue), within max_queue; not found: already taken by gather (and counted there) or
+            # dropped by close.
+            at = next((at for at, request in enumerate(self._items) if request.future is future), None)
+            if at is None:
+                return
+            del self._items[at]
             self.cancelled += 1
             self._freed()
 
