@@ -127,7 +127,7 @@ def _decode_into_host(
     addresses = [memory.ctypes.data + i * memory.strides[0] for i in range(len(positions))]
     bound = workspace.bind(positions, addresses, shapes, [width * 3] * len(positions), stream=None, host=True)
     assert bound == [0] * len(positions)
-    return memory, workspace.decode(decoder, positions)
+    return memory, workspace.submit(decoder, positions).wait()
 
 
 def test_decodes_pillows_pixels_into_padded_rows_and_nowhere_else(cpu_decoder: _capi.Decoder) -> None:

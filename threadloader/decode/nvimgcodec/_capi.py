@@ -450,7 +450,7 @@ class Workspace:
 
     Owned by one thread at a time: nothing here is locked. Positions are a batch's indices; a batch is
     parsed (:meth:`parse`), given its outputs (:meth:`bind`), and decoded (:meth:`submit`, then
-    :meth:`Submitted.wait`; or :meth:`decode`) before the next one reuses the handles.
+    :meth:`Submitted.wait`) before the next one reuses the handles.
 
     Attributes:
         infos: Per position, the header nvImageCodec read (:meth:`parse`), then the output it is
@@ -497,7 +497,7 @@ class Workspace:
 
         Args:
             data: Encoded images, ``bytes`` or any object with the buffer protocol; each must stay
-                alive and unchanged until :meth:`decode` returns.
+                alive and unchanged until the call :meth:`submit` starts has been waited for.
 
         Returns:
             Per position, 0 where the header was read, else nvImageCodec's status (an unknown format,
@@ -653,13 +653,6 @@ class Workspace:
                 f"positions {outside} are not of the batch parsed last ({self._count} images): parse the "
                 "batch before binding, cropping or decoding its positions"
             )
-
-    def decode(self, decoder: Decoder, positions: Sequence[int]) -> list[bool]:
-        """Decodes the bound positions in one call and waits for it; whether each succeeded.
-
-        :meth:`submit`, then :meth:`Submitted.wait`.
-        """
-        return self.submit(decoder, positions).wait()
 
     def submit(self, decoder: Decoder, positions: Sequence[int]) -> Submitted:
         """Starts decoding the bound positions in one call; :meth:`Submitted.wait` gives the results.
