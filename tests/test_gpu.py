@@ -261,10 +261,16 @@ def test_decoding_never_overwrites_memory_that_queued_work_still_reads(backend: 
             assert gpu_mismatch(image, reference) is None
 
 
+@pytest.mark.parametrize("queued", [False, True])
 @pytest.mark.parametrize("backend", ["auto", "all", "split"])
-def test_a_pool_of_decoders_gives_pillows_pixels(backend: str) -> None:
-    """Four readers on a pool of three Decoders: every image as Pillow decodes it, at most three made."""
-    from threadloader.decode.nvimgcodec import DecoderRegistry, NvImageCodecDecoder, new_decoder
+def test_a_pool_of_decoders_gives_pillows_pixels(
+    backend: str, queued: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four readers on a pool of three Decoders: every image as Pillow decodes it, at most three made;
+    also with each Decoder returned once its call is submitted, the next call queued behind it."""
+    from threadloader.decode.nvimgcodec import QUEUE_ENV, DecoderRegistry, NvImageCodecDecoder, new_decoder
+
+    monkeypatch.setenv(QUEUE_ENV, "1" if queued else "0")
 
     samples = _uniform_set(96)
     references = [pil_reference(data) for data, _ in samples]
