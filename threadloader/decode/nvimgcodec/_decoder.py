@@ -258,7 +258,7 @@ class NvImageCodecDecoder(ImageDecoder):
     def close(self) -> None:
         """Lets the pools this decoder claimed go, with the Decoders no other decoder uses.
 
-        Those are destroyed at once if idle, else when their call returns. Idempotent; a later call
+        Those are destroyed at once if idle, else once their calls have returned. Idempotent; a later call
         decodes on new Decoders.
         """
         with self._started:
