@@ -224,12 +224,14 @@ def file_labels(found: list[ResultFile], title: Callable[[ResultFile], str]) -> 
     return [f"{name}, {tag(result)}" for name, result in zip(names, found, strict=True)]
 
 
-def throughput_tables(found: list[ResultFile], *, page: bool = False) -> list[str]:
+def throughput_tables(
+    found: list[ResultFile], *, page: bool = False, title: Callable[[ResultFile], str] = set_title
+) -> list[str]:
     """One table of every file's rows: img/s, ms per batch, CPU cores (and CPU ms per image on a CPU), vs PIL.
 
-    A column for the set where there are several files. A run's own page: the set as the heading, the
-    provenance above the table; ``page`` (a section of docs/benchmarks.md): the table, then each file's
-    provenance.
+    A column for the set (each file's ``title``) where there are several files. A run's own page: the set
+    as the heading, the provenance above the table; ``page`` (a section of docs/benchmarks.md): the
+    table, then each file's provenance.
     """
     if not found:
         return []
@@ -239,7 +241,7 @@ def throughput_tables(found: list[ResultFile], *, page: bool = False) -> list[st
     header = ["set"] * several + ["loader", "img/s, median (min-max)", "ms/batch", "CPU cores"]
     header += ["CPU ms/image"] * cpu_time + ["vs PIL"] * ratio + ["note"]
     body = []
-    for result, label in zip(found, file_labels(found, set_title), strict=True):
+    for result, label in zip(found, file_labels(found, title), strict=True):
         for r in result.rows:
             cells = [label] * several + [r["name"], cell(spread(r, "images_per_s"), ",.0f")]
             cells += [number(r.get("ms_per_batch"), ".1f"), number(r.get("cpu_cores"), ".1f")]
@@ -355,9 +357,20 @@ def training_key(row: Json) -> tuple[str, str, str]:
     )
 
 
+def gpu_name(result: ResultFile) -> str:
+    """``H200``, ``H100``: the GPU's model without its maker and memory; "no GPU" on a CPU."""
+    gpu = result.hardware.get("gpu")
+    return str(gpu).removeprefix("NVIDIA ").split()[0] if gpu else "no GPU"
+
+
 def labels(found: list[ResultFile]) -> list[str]:
-    """Each file's interpreter; with the file name where two share one."""
-    return file_labels(found, lambda result: result.interpreter)
+    """Each file's interpreter, its GPU where the files ran on several; the file name where two share one."""
+    several = len({gpu_name(result) for result in found}) > 1
+
+    def title(result: ResultFile) -> str:
+        return result.interpreter + (f", {gpu_name(result)}" if several else "")
+
+    return file_labels(found, title)
 
 
 def training_table(found: list[ResultFile], *, page: bool = False) -> list[str]:
@@ -473,6 +486,21 @@ def throughput(results: Path, charts: bool) -> list[str]:
     return [*throughput_tables(found, page=True), *image(results, "throughput", "images/s per loader", draw)]
 
 
+def queued_title(result: ResultFile) -> str:
+    """A queued file's set and switch (``.ci/gpu-results`` names the files ``queuedN-throughput-SET``)."""
+    switch = result.path.stem.removeprefix("queued")[:1]
+    return f"{set_title(result)}, THREADLOADER_QUEUED_DECODE={switch}"
+
+
+def queued(results: Path, charts: bool) -> list[str]:
+    """The same rows with and without queued decode calls, and the training rows with them: tables only."""
+    runs, trainings = load(results, "queued*-throughput-*.json"), load(results, "queued*-training.json")
+    if not runs and not trainings:
+        return no_results("queued*-throughput-*.json, queued*-training.json")
+    steps = ["", *training_table(trainings, page=True)] if trainings else []
+    return [*throughput_tables(runs, page=True, title=queued_title), *steps]
+
+
 def training(results: Path, charts: bool) -> list[str]:
     found = load(results, "training*.json")
     if not found:
@@ -515,6 +543,7 @@ SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
     "throughput": throughput,
     "training": training,
     "gil": gil,
+    "queued": queued,
     "memory": memory,
     "cpu": cpu,
     "cpu_training": cpu_training,
@@ -574,9 +603,10 @@ def training_summary(results: Path) -> str:
                 cells.append(f"{ratio} ({_range(speeds, '.1f')}k img/s)" if ours else "")
             memory = [r["extra_device_mb"] / 1000 for r in rows if r["spec"]["loader"] == "threadloader"]
             body.append([*cells, f"{_range(memory, '.1f')} GB" if memory else ""])
-    hw, config = found[0].hardware, found[0].config
+    config = found[0].config
     model = {"resnet50": "ResNet-50"}.get(str(config.get("model")), config.get("model"))
-    where = f"an {hw['gpu']}" if hw.get("gpu") else "a CPU"
+    gpus = list(dict.fromkeys(str(f.hardware["gpu"]) for f in found if f.hardware.get("gpu")))
+    where = "an " + " and an ".join(gpus) if gpus else "a CPU"
     lead = (
         f"Measured on {where} ({model}, batch {config.get('batch_size')}, bf16, varied "
         "photos resized or randomly cropped to 224; [benchmarks.md](benchmarks.md)):"

@@ -35,6 +35,7 @@ def test_every_section_says_when_it_has_no_results(tmp_path: Path) -> None:
     for pattern in ("throughput-*.json", "training*.json", "gil-delay*.json"):
         assert f"No results yet (`docs/results/{pattern}`)." in text
     assert "cpu-throughput*.json" in text and "cpu-training*.json" in text
+    assert "queued*-throughput-*.json, queued*-training.json" in text
     assert "{{" not in text
     assert "No training results yet" in report.training_summary(tmp_path)
 
@@ -52,6 +53,34 @@ def test_training_files_stand_side_by_side_by_interpreter(tmp_path: Path) -> Non
     )
     summary = report.training_summary(tmp_path)
     assert "| eager, Python 3.13.5t, GIL off |" in summary and "| eager, Python 3.12.3 |" in summary
+
+
+def test_files_of_one_interpreter_on_two_gpus_are_told_apart_by_the_gpu(tmp_path: Path) -> None:
+    shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
+    data = json.loads((tmp_path / "training.json").read_text())
+    data["hardware"] |= {"python": "3.12.3", "gil": True, "gpu": "NVIDIA H100 80GB HBM3"}
+    (tmp_path / "training-h100.json").write_text(json.dumps(data))
+    (header,) = [
+        line for line in report.training_table(report.load(tmp_path, "training*.json")) if "| step |" in line
+    ]
+    assert "vs fixed input, Python 3.12.3, H100 |" in header
+    assert "vs fixed input, Python 3.12.3, H200 |" in header
+    summary = report.training_summary(tmp_path)
+    assert "| eager, Python 3.12.3, H100 |" in summary and "| eager, Python 3.12.3, H200 |" in summary
+    assert "Measured on an NVIDIA H200 and an NVIDIA H100 80GB HBM3 (" in summary
+
+
+def test_queued_files_are_labelled_by_their_switch(tmp_path: Path) -> None:
+    for switch in (0, 1):
+        data = json.loads((report.RESULTS / "throughput-fixed.json").read_text())
+        data["rows"] = data["rows"][:1]
+        (tmp_path / f"queued{switch}-throughput-fixed.json").write_text(json.dumps(data))
+    text = "\n".join(report.queued(tmp_path, charts=False))
+    rows = [line for line in text.splitlines() if line.startswith("| fixed set")]
+    assert [row.split(" | ")[0].rsplit(", ", 1)[-1] for row in rows] == [
+        "THREADLOADER_QUEUED_DECODE=0",
+        "THREADLOADER_QUEUED_DECODE=1",
+    ]
 
 
 def test_startup_columns_follow_the_rows(tmp_path: Path) -> None:
