@@ -7,6 +7,7 @@ threads call one Decoder at once, so the rule is checked where a breach is visib
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -105,6 +106,83 @@ def test_a_decoder_that_fails_to_be_made_leaves_its_place_free() -> None:
         registry.acquire(KEY, 1)
     assert registry.made(KEY) == 0
     assert registry.acquire(KEY, 1) == "decoder"  # with limit 1: the failed one took no place
+
+
+def _until_waiting(registry: DecoderRegistry, threads: int) -> None:
+    """Returns once ``threads`` threads wait on the registry's condition (CPython's list of waiters)."""
+    deadline = time.monotonic() + 10
+    while len(registry._returned._waiters) < threads:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the waiters never waited"
+        time.sleep(0.001)
+
+
+def test_a_decoder_returned_to_its_pool_reaches_its_waiter_whoever_else_waits() -> None:
+    """Waiters of two pools share one condition: a return to one pool must not wake only the other's
+    waiter (who sleeps again) and leave its own asleep beside an idle Decoder."""
+    other = (1, "cuda", 2)
+    registry = DecoderRegistry(_Recorder().new)
+    mine, theirs = registry.acquire(KEY, 1), registry.acquire(other, 1)
+    got: dict[str, int] = {}
+    first = threading.Thread(target=lambda: got.setdefault("theirs", registry.acquire(other, 1)), daemon=True)
+    first.start()
+    _until_waiting(registry, 1)  # the longest waiter is the other pool's
+    second = threading.Thread(target=lambda: got.setdefault("mine", registry.acquire(KEY, 1)), daemon=True)
+    second.start()
+    _until_waiting(registry, 2)
+    registry.release(KEY, mine)
+    second.join(10)
+    assert got.get("mine") == mine
+    registry.release(other, theirs)
+    first.join(10)
+    assert got.get("theirs") == theirs
+
+
+def test_a_waiter_gets_no_decoder_of_a_pool_that_ended_while_it_waited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Decoder returned while a thread waits, then destroyed by the pool's end before that thread
+    runs again, is not handed to it: it gets a new Decoder, destroyed in turn once returned."""
+    destroyed: list[int] = []
+    registry = DecoderRegistry(_Recorder().new, lambda key, decoder: destroyed.append(decoder))
+    registry.claim([KEY])
+    held = registry.acquire(KEY, 1)
+    waiting, woken = threading.Event(), threading.Event()
+    wait = registry._returned.wait
+
+    def slow_wake(timeout: float | None = None) -> bool:  # the waiter runs again only once `woken` is set
+        waiting.set()
+        notified = wait(timeout)
+        registry._lock.release()
+        woken.wait(10)
+        registry._lock.acquire()
+        return notified
+
+    monkeypatch.setattr(registry._returned, "wait", slow_wake)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(registry.acquire(KEY, 1)), daemon=True)
+    waiter.start()
+    assert waiting.wait(10)
+    registry.release(KEY, held)  # the waiter is woken, but does not run yet
+    registry.unclaim([KEY])  # the pool ends: its idle Decoder is destroyed
+    assert destroyed == [held] and registry.made(KEY) == 0
+    woken.set()
+    waiter.join(10)
+    assert got and got[0] != held and registry.made(KEY) == 1
+    registry.release(KEY, got[0])
+    assert destroyed == [held, got[0]] and registry.made(KEY) == 0
+
+
+def test_a_decoder_returned_after_its_pool_was_claimed_again_goes_back_to_it() -> None:
+    """A reader's lease outlives its decoder's close (the pool ends) and another decoder's claim of the
+    same pool: the Decoder returns to the pool, whose limit it still counts against."""
+    registry = DecoderRegistry(_Recorder().new)
+    registry.claim([KEY])
+    leased = registry.acquire(KEY, 1)
+    registry.unclaim([KEY])
+    registry.claim([KEY])
+    registry.release(KEY, leased)
+    assert registry.made(KEY) == 1
+    assert registry.acquire(KEY, 1) == leased
 
 
 def test_pools_of_different_configurations_are_apart() -> None:
@@ -534,6 +612,43 @@ def test_a_reader_returns_its_decoder_once_its_call_is_submitted(
     first.join(10)
     assert results["first"].extents == {0: (2, 3), 1: (2, 3)}  # type: ignore[attr-defined]
     assert destroyed == [seen[0]]
+
+
+def test_a_call_interrupted_before_its_wait_is_waited_for_before_its_decoder_goes() -> None:
+    """Ctrl-C between a call's submit and its wait (a decoder called on the main thread): nvImageCodec's
+    threads still use the Decoder and the call's memory, so the call is waited for before the Decoder
+    is returned, here to a pool that ended, which destroys it."""
+    import torch
+
+    from threadloader._stats import StatsRecorder
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    events: list[str] = []
+    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: events.append("destroyed"))
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend="cuda", registry=registry
+    )
+    key = ("fake", 0, "cuda", 1, True, 0)
+    registry.claim([key])
+
+    class Call:
+        queued = False
+
+        def result(self) -> dict[int, tuple[int, int] | None]:
+            if not events:
+                events.append("interrupted")
+                registry.unclaim([key])  # the loader is closed meanwhile
+                raise KeyboardInterrupt
+            events.append("waited")
+            return {0: (2, 3)}
+
+    class Batch:
+        def submit(self, leased: object, memory: dict[int, object], stream: int) -> Call:
+            return Call()
+
+    with pytest.raises(KeyboardInterrupt):
+        decoder._decode_leased([(key, None, {0: None})], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
+    assert events == ["interrupted", "waited", "destroyed"]
 
 
 def test_a_pool_never_claimed_keeps_its_decoders() -> None:

@@ -728,18 +728,19 @@ class Submitted:
         """
         if self._results is not None:
             return self._results
-        future, self._future = self._future, None
+        future = self._future
         if future is None:
             raise RuntimeError("this decode call's wait already failed")
         library = self._workspace._library
         count = self._count
-        try:
+        try:  # the future stays ours until here: an interrupt before leaves it to __del__ to wait for
             status = library.FutureWaitForAll(future)
             results = (c_uint32 * count)()
             got = c_size_t()
             if status == 0:
                 status = library.FutureGetProcessingStatus(future, results, ctypes.byref(got))
         finally:
+            self._future = None
             library.FutureDestroy(future)
             self._keep = ()
         if status != 0 or got.value != count:

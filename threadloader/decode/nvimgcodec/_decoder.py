@@ -478,7 +478,7 @@ class NvImageCodecDecoder(ImageDecoder):
                     self._pace.abandon(turn)
                 raise
             extents: dict[int, tuple[int, int] | None] = dict.fromkeys(memory)
-            started, took, queued = time.perf_counter(), None, None
+            started, took, queued, pending = time.perf_counter(), None, None, None
             try:
                 with stats.timed("decode"):
                     pending = batch.submit(decoder, memory, handle)
@@ -492,6 +492,9 @@ class NvImageCodecDecoder(ImageDecoder):
                 took = 0.0
             finally:
                 if queued is None:
+                    if took is None and pending is not None:  # interrupted (Ctrl-C) before its wait
+                        with contextlib.suppress(Exception):
+                            pending.result()  # nvImageCodec's threads still use the Decoder and our memory
                     self._registry.release(key, decoder)
                 else:
                     try:

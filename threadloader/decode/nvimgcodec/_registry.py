@@ -60,6 +60,8 @@ class DecoderRegistry:
         self._new_decoder = new_decoder
         self._destroy = destroy or (lambda _key, _decoder: None)
         self._lock = threading.Lock()
+        # One condition for every pool, so each change wakes every waiter: one woken alone might wait
+        # for another pool and leave this one's waiter asleep beside an idle Decoder.
         self._returned = threading.Condition(self._lock)
         self._idle: dict[Hashable, list[Any]] = {}
         self._made: dict[Hashable, int] = {}
@@ -81,8 +83,9 @@ class DecoderRegistry:
         if limit < 1:
             raise ValueError(f"a Decoder pool needs a limit of at least 1, got {limit}")
         with self._returned:
-            idle = self._idle.setdefault(key, [])
-            while not idle and self._made.get(key, 0) >= limit:
+            # The pool's list is looked up again after each wait: a pool that ended meanwhile dropped
+            # its list, whose Decoders were destroyed.
+            while not (idle := self._idle.setdefault(key, [])) and self._made.get(key, 0) >= limit:
                 self._returned.wait(MERGE_INTERVAL)  # the waiter's own dropped objects, freed (3.13t)
             free = [at for at, decoder in enumerate(idle) if id(decoder) not in self._pending]
             if free:
@@ -95,7 +98,7 @@ class DecoderRegistry:
         except BaseException:
             with self._returned:
                 self._made[key] -= 1
-                self._returned.notify()
+                self._returned.notify_all()
             raise
 
     def release(self, key: Hashable, decoder: Any, *, pending: bool = False) -> None:
@@ -110,9 +113,9 @@ class DecoderRegistry:
             ended = self._claims.get(key) == 0
             if ended:
                 ended = self._end(key, decoder)
-            else:
-                self._idle[key].append(decoder)
-            self._returned.notify()
+            else:  # a pool claimed again since the lease began may have no list yet
+                self._idle.setdefault(key, []).append(decoder)
+            self._returned.notify_all()
         if ended:
             self._destroy(key, decoder)
 
@@ -128,7 +131,7 @@ class DecoderRegistry:
             if doomed:
                 self._doomed.discard(id(decoder))
                 self._made[key] -= 1
-                self._returned.notify()
+                self._returned.notify_all()
         if doomed:
             self._destroy(key, decoder)
 
