@@ -247,7 +247,8 @@ def test_a_batch_the_consumer_drops_is_freed_while_the_readers_wait() -> None:
     assert not late, f"batches (index, seconds) still alive 0.2 s after the consumer dropped them: {late}"
 
 
-def test_an_answer_the_caller_drops_is_freed_while_the_service_idles() -> None:
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_an_answer_the_caller_drops_is_freed_while_the_service_idles(num_threads: int) -> None:
     """Freed at the drop, not when the worker that made it next takes a request (docs/design.md).
 
     Three things kept it alive: a cycle through the future's done-callback (freed only by the garbage
@@ -255,7 +256,9 @@ def test_an_answer_the_caller_drops_is_freed_while_the_service_idles() -> None:
     itself, which frees what it made and another thread dropped only when it next runs Python.
     """
     late: list[tuple[int, float]] = []
-    with BatchDecoder(decoder=_CountedDecoder(), num_threads=1, max_delay_ms=0, size=(64, 64)) as service:
+    with BatchDecoder(
+        decoder=_CountedDecoder(), num_threads=num_threads, max_delay_ms=0, size=(64, 64)
+    ) as service:
         for k in range(5):
             image = service.decode(b"unread")
             time.sleep(0.05)  # the worker is back in its wait for requests

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,16 @@ from threadloader import BatchDecoder, LoaderClosedError, SampleError, ThreadLoa
 from threadloader.decode import PillowDecoder
 from threadloader.service import MicroBatcher, QueueFullError
 
-from .conftest import GatedDecoder, encode, gpu_mismatch, header_only_png, photo, post_predict, reader_threads
+from .conftest import (
+    GatedDecoder,
+    encode,
+    gpu_mismatch,
+    header_only_png,
+    photo,
+    post_predict,
+    reader_threads,
+    run_script,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 N = 48
@@ -669,3 +679,107 @@ def test_micro_batcher_sheds_load_and_frees_a_cancelled_slot() -> None:
 def test_micro_batcher_bad_options(options: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         MicroBatcher(**{"fn": list, **options})  # type: ignore[arg-type]
+
+
+def test_close_from_the_done_callbacks_of_two_workers_returns(tmp_path: Path) -> None:
+    """Two workers answer at once, and each answer's done-callback closes the service: neither may wait
+    for the other (each would wait forever), and the interpreter's exit must not wait for them either."""
+    script = """
+import threading
+from threadloader.service import MicroBatcher
+
+both = threading.Barrier(2)
+
+def together(inputs):
+    both.wait(10)  # the two workers run a micro-batch each at the same time
+    return inputs
+
+service = MicroBatcher(together, num_threads=2, max_batch=1, max_delay_ms=0)
+returned = []
+def close_service(future):
+    service.close()
+    returned.append(threading.current_thread().name)
+futures = [service.submit(k) for k in range(2)]
+for future in futures:
+    future.add_done_callback(close_service)
+print([future.result(10) for future in futures])
+for thread in service.threads:
+    thread.join(10)
+print(len(returned), [thread.is_alive() for thread in service.threads])
+"""
+    done = run_script(tmp_path, script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[0, 1]", "2 [False, False]"]
+
+
+def test_a_function_that_raises_a_base_exception_fails_its_batch_and_the_service_goes_on() -> None:
+    """``asyncio.CancelledError`` (or ``sys.exit()``) from the function is not an ``Exception``: it
+    used to end the worker, leaving its requests and every later one unanswered."""
+    calls = 0
+
+    def cancelled_once(inputs: list[int]) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise asyncio.CancelledError("the model's task was cancelled")
+        return inputs
+
+    with MicroBatcher(cancelled_once, num_threads=1, max_batch=1, max_delay_ms=0) as service:
+        failed = service.submit(1)
+        assert isinstance(failed.exception(10), asyncio.CancelledError)
+        assert service.submit(2).result(10) == 2
+
+
+def test_a_failed_batch_keeps_nothing_of_its_function_alive() -> None:
+    """The error goes to the futures without its frames: with them, it held the function's locals (say
+    the activations of a model that ran out of memory) for as long as a caller kept the future, and in
+    a cycle through the batch's requests until the garbage collector ran (off here)."""
+    freed = threading.Event()
+
+    def out_of_memory(inputs: list[int]) -> list[int]:
+        activations = torch.zeros(64)
+        weakref.finalize(activations, freed.set)
+        raise RuntimeError("CUDA out of memory")
+
+    gc.collect()
+    gc.disable()
+    try:
+        with MicroBatcher(out_of_memory, num_threads=1, max_batch=1, max_delay_ms=0) as service:
+            future = service.submit(1)
+            error = future.exception(10)
+            assert isinstance(error, RuntimeError) and "out of memory" in str(error)
+            assert "out_of_memory" in "".join(getattr(error, "__notes__", []))  # its traceback, as text
+            assert freed.wait(5), "the function's locals are alive while its caller holds the future"
+    finally:
+        gc.enable()
+
+
+def test_a_service_finalized_inside_its_own_queue_lock_does_not_deadlock(tmp_path: Path) -> None:
+    """A service dropped in a reference cycle is closed by whichever thread the garbage collector runs
+    in, which may be a worker inside the queue's lock (every allocation there may collect)."""
+    script = """
+import gc, threading
+from threadloader.service import MicroBatcher
+
+class Server:
+    pass
+
+gc.disable()
+server = Server()
+server.service = MicroBatcher(lambda inputs: inputs, num_threads=1)
+server.me = server  # a cycle, as an application's objects make
+queue = server.service._queue
+del server
+done = threading.Event()
+
+def collect_inside_the_lock():
+    with queue._lock:  # as gather(), put() and a cancelled request's callback do
+        gc.collect()  # what an allocation there may do
+    done.set()
+
+threading.Thread(target=collect_inside_the_lock, daemon=True).start()
+print(done.wait(10))
+"""
+    done = run_script(tmp_path, script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -652,3 +653,73 @@ def test_no_threads_start_once_the_exit_hook_ran(blobs: list[bytes], monkeypatch
         iter(loader)
     assert threading.active_count() == before
     loader.close()
+
+
+def test_a_thread_start_that_fails_part_way_stops_the_threads_already_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "can't start new thread" (a process limit) at the second of three: the group's owner is never
+    made, so nothing else would stop the first, which runs until cancelled."""
+    from threadloader._cancel import check_cancelled
+    from threadloader._workers import ThreadGroup
+
+    start = threading.Thread.start
+    starts = 0
+
+    def second_fails(thread: threading.Thread) -> None:
+        nonlocal starts
+        starts += 1
+        if starts == 2:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    def until_cancelled(index: int) -> None:
+        while True:
+            check_cancelled()
+            time.sleep(0.01)
+
+    monkeypatch.setattr(threading.Thread, "start", second_fails)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ThreadGroup(name="threadloader-partial", count=3, target=until_cancelled, wake=lambda: None)
+    monkeypatch.undo()
+    assert starts == 2
+    assert wait_for_no_reader_threads(5.0) == []
+
+
+@pytest.mark.parametrize("failure", ["batch", "sample"])
+def test_an_error_the_consumer_drops_frees_what_its_frames_held(blobs: list[bytes], failure: str) -> None:
+    """A failed batch's error, once dropped, holds nothing: without the collector (off here), its
+    traceback's frames (the reader's, holding what the batch was made of; the iterator's, holding the
+    loader) were kept in a cycle through the frames that had the error as a local."""
+    held: list[threading.Event] = []
+
+    def failing_collate(targets: list[object]) -> object:
+        made = torch.zeros(4)  # stands for the batch a reader was making when it failed
+        held.append(threading.Event())
+        weakref.finalize(made, held[-1].set)
+        raise ValueError("the targets do not collate")
+
+    def run() -> weakref.ref[ThreadLoader]:
+        if failure == "batch":
+            loader = make(blobs, collate_fn=failing_collate, num_threads=1)
+            error: type[Exception] = ValueError
+        else:
+            loader = ThreadLoader([b"not an image", *blobs], batch_size=2, num_threads=2, device="cpu")
+            error = ThreadLoaderError
+        try:
+            for _ in loader:
+                pass
+        except error:
+            pass
+        return weakref.ref(loader)
+
+    gc.collect()
+    gc.disable()
+    try:
+        loader = run()
+        if failure == "batch":
+            assert held and held[0].wait(5)
+        assert wait_for_no_reader_threads(5.0) == []
+        assert loader() is None
+    finally:
+        gc.enable()

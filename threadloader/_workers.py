@@ -120,9 +120,16 @@ class ThreadGroup:
                 _groups.add(self)
         if exited:
             raise _exiting()
+        started = 0
         try:
             for thread in self._threads:
                 thread.start()
+                started += 1
+        except BaseException:  # "can't start new thread", or Ctrl-C: the owner is never made, so
+            for ended in self._ended[started:]:  # nothing would stop the threads already started
+                ended.set()
+            self.cancel()
+            raise
         finally:
             self._go.set()
 
@@ -320,7 +327,10 @@ class OrderedPool(Generic[T]):
                     self._cv.notify_all()
                     if ok:
                         return value
-                    raise value
+                    try:
+                        raise value
+                    finally:  # the traceback holds this frame: it must not hold the error in turn
+                        del value
                 if self._end is not None and self._handed >= self._end:
                     raise StopIteration
                 if not any(thread.is_alive() for thread in self._group.threads):
@@ -408,19 +418,24 @@ class OrderedPool(Generic[T]):
 
         A call of its own, so that the thread holds no reference to the result once it is handed in:
         waiting in :meth:`_take` with it, the thread kept a batch the consumer had dropped alive until
-        its next task.
+        its next task. A failure's traceback holds this frame, so the frame lets go of the result: else
+        the error, the frames it passed through and the batch they were making live on in a cycle
+        after the consumer has dropped the error, until the garbage collector runs.
         """
         try:
             result: tuple[bool, Any] = (True, self._work(task, index))
         except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below
             result = (False, exc)
-        with self._cv:
-            if self.closed:
-                return False
-            self._results[seq] = result
-            self._first_in = self._first_in or seq == 0
-            self._cv.notify_all()
-        return True
+        try:
+            with self._cv:
+                if self.closed:
+                    return False
+                self._results[seq] = result
+                self._first_in = self._first_in or seq == 0
+                self._cv.notify_all()
+            return True
+        finally:
+            del result
 
 
 def available_cpus() -> int:

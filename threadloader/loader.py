@@ -517,7 +517,10 @@ class _EpochIterator:
             except IndexError:  # emptied by close() in another thread
                 continue
             if isinstance(outcome, SampleError):
-                raise outcome
+                try:
+                    raise outcome
+                finally:  # the traceback holds this frame, which holds the iterator and its loader
+                    del outcome
             self._progress.consumed += 1
             if outcome is not None:
                 return outcome

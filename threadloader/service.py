@@ -176,6 +176,10 @@ class _Batching(Generic[T, R]):
     def close(self, *, cancel_pending: bool = False) -> None:
         """Stops the service; further ``submit`` calls raise :class:`LoaderClosedError`. Idempotent.
 
+        Called in a worker (from a future's done-callback), it returns at once: the workers answer what
+        is left as above, then stop. Waiting there for the other workers would wait forever for one
+        doing the same.
+
         Args:
             cancel_pending: ``False`` (default) runs every request already queued, then stops: close
                 returns when they are all answered. ``True`` cancels the queued requests (their futures
@@ -183,9 +187,9 @@ class _Batching(Generic[T, R]):
                 joined within about a second.
         """
         self._queue.close(cancel_pending=cancel_pending)
-        # close() may run in a worker, from a done-callback: the group never waits for the calling thread.
         assert self._group is not None
-        self._group.join(JOIN_TIMEOUT if cancel_pending else None)
+        if threading.current_thread() not in self._group.threads:
+            self._group.join(JOIN_TIMEOUT if cancel_pending else None)
 
     @property
     def threads(self) -> list[threading.Thread]:

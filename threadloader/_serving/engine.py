@@ -20,7 +20,7 @@ from .._handoff import Ready
 from .._pipeline import Batch
 from .._runtime import Runtime
 from .._stats import StatsRecorder
-from ..errors import LoaderClosedError, SampleError
+from ..errors import LoaderClosedError, SampleError, detached
 from .metrics import Metrics
 from .queue import Request, RequestQueue
 
@@ -101,7 +101,11 @@ def run_guarded(metrics: Metrics, requests: list[Request], work: Callable[[], No
     """Counts the micro-batch and runs ``work``, which answers its requests.
 
     A failure of the whole batch answers those it left with that error, and the worker goes on (at
-    interpreter exit, it stops).
+    interpreter exit, it stops). Any error counts, not only an ``Exception``: a function that raises
+    ``asyncio.CancelledError`` or calls ``sys.exit()`` would otherwise end the worker with its requests
+    unanswered. The error goes to the futures detached from its frames (``errors.detached``), which
+    hold this batch's requests, whose futures hold the error: a cycle that kept every activation of
+    the failed call alive until the garbage collector ran.
     """
     metrics.batch(len(requests))
     try:
@@ -109,8 +113,8 @@ def run_guarded(metrics: Metrics, requests: list[Request], work: Callable[[], No
     except Cancelled:  # the interpreter is exiting: answer what this batch left, then stop
         _fail_unanswered(metrics, requests, LoaderClosedError(_CLOSED_WHILE_RUNNING))
         raise
-    except Exception as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
-        _fail_unanswered(metrics, requests, exc)
+    except BaseException as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
+        _fail_unanswered(metrics, requests, detached(exc))
 
 
 def answer(

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,9 @@ class RequestQueue:
         self._max_batch = max_batch
         self._max_delay = max_delay
         self._owner = owner
-        self._lock = threading.Lock()
+        # Reentrant: a service dropped in a reference cycle is finalized (and closed) by whichever thread
+        # the garbage collector runs in, which may be a worker inside this lock.
+        self._lock = threading.RLock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
         # Held by the one worker gathering a batch, so that concurrent arrivals fill its batch instead
@@ -114,7 +117,7 @@ class RequestQueue:
         Returns:
             The micro-batch (empty when all it took were cancelled); ``None`` once closed and drained.
         """
-        with self._gathering, self._lock:
+        with self._gathering_turn(), self._lock:
             while not self._items:
                 if self.closed:
                     return None
@@ -184,6 +187,16 @@ class RequestQueue:
         # in a cycle that only the garbage collector frees, not the caller's dropping the result.
         request.future.add_done_callback(self._withdraw)
         return request.future
+
+    @contextlib.contextmanager
+    def _gathering_turn(self) -> Iterator[None]:
+        """Holds :attr:`_gathering`; a worker waiting for it wakes as one waiting for requests does."""
+        while not self._gathering.acquire(timeout=MERGE_INTERVAL or -1):  # wakes on 3.13t only
+            pass
+        try:
+            yield
+        finally:
+            self._gathering.release()
 
     def _withdraw(self, future: Future[Any]) -> None:
         """A request's done-callback: one cancelled while queued leaves the queue and frees its slot."""
