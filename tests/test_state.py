@@ -207,6 +207,65 @@ def test_a_failed_batch_is_not_passed_resuming_raises_it_again(broken: list[tupl
     assert again.value.index == 3
 
 
+def test_a_sample_failing_in_a_batch_delivered_before_the_state_takes_nothing_after_it(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """A group holds batches before the state's position (dropped on resume) and after it; a sample of
+    a dropped batch that fails now (a flaky read) is not the resumed pass's to raise, and the group's
+    later batches must still come, none lost without a word."""
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.failing: set[int] = set()
+
+        def __len__(self) -> int:
+            return len(samples)
+
+        def __getitem__(self, index: int) -> tuple[bytes, int]:
+            if index in self.failing:
+                raise OSError(f"a transient read failure of sample {index}")
+            return samples[index]
+
+    source = Flaky()
+    options: dict[str, Any] = {"decode_batch_size": 3 * BATCH, "shuffle": False, "on_error": "raise"}
+    (expected,) = uninterrupted(source, 1, **options)
+    with make(source, **options) as first:
+        take(iter(first), 2)  # two of the first group's three batches
+        state = first.state_dict()
+    source.failing = {0}  # in the first batch, delivered before the state
+    with make(source, **options) as resumed:
+        resumed.load_state_dict(state)
+        assert_same(take(resumed), expected[2:])
+
+
+def test_a_sampler_epoch_the_user_sets_is_the_passs_epoch_unless_the_loader_is_told_after(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """DataLoader's loop calls ``sampler.set_epoch(epoch)``; resumed at epoch 3 from a model-only
+    checkpoint, the loader must not put its own count (0) back into the sampler."""
+    from torch.utils.data import DistributedSampler
+
+    def order(epoch: int) -> list[int]:  # the reference: the sampler alone, as DataLoader iterates it
+        reference = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5)
+        reference.set_epoch(epoch)
+        return list(reference)
+
+    def indices(loader: ThreadLoader) -> list[int]:
+        return [index for _, targets in take(loader) for index in targets]
+
+    sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5)
+    options: dict[str, Any] = {"shuffle": False, "sampler": sampler, "transform": None}
+    with make(samples, **options) as loader:
+        for epoch in (3, 4):
+            sampler.set_epoch(epoch)
+            assert indices(loader) == order(epoch)
+        assert indices(loader) == order(5)  # counting on from it
+        sampler.set_epoch(9)
+        loader.set_epoch(7)  # told after: the loader's word stands
+        assert indices(loader) == order(7)
+    assert order(3) != order(0)
+
+
 def test_seed_none_takes_the_state_seed(samples: list[tuple[bytes, int]]) -> None:
     torch.manual_seed(1)
     with make(samples, seed=None) as first:

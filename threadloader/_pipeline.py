@@ -177,9 +177,12 @@ class BatchProducer:
             check_cancelled()
             last = first + size
             if failed and self._on_error == "raise":
+                # The batches after it are still made: a resumed pass drops the head of its first
+                # group, and an error in a batch delivered before the checkpoint must not take them.
                 self._stats.count("errors", len(failed))
                 outcomes.append(failed[0])
-                break
+                first = last
+                continue
             # Errors and skips in one lock hold: no snapshot sees a batch's errors without its skips.
             self._stats.count_many(errors=len(failed), skipped=len(failed))
             for error in failed:

@@ -60,6 +60,7 @@ class BatchPlan:
         self._drop_last = drop_last
         self._rank = rank
         self._world_size = world_size
+        self._given_epochs = self._sampler_epochs()  # what the samplers' epochs are unless someone sets them
 
     def __len__(self) -> int:
         if self._batch_sampler is not None:
@@ -88,6 +89,23 @@ class BatchPlan:
         for obj in (self._sampler, self._batch_sampler):
             if obj is not None and callable(getattr(obj, "set_epoch", None)):
                 obj.set_epoch(epoch)  # type: ignore[union-attr]
+        self._given_epochs = self._sampler_epochs()
+
+    def epoch_set_on_the_sampler(self) -> int | None:
+        """An epoch the user gave a sampler directly since :meth:`set_epoch` last did, else ``None``.
+
+        DataLoader leaves a sampler's epoch to the user's ``sampler.set_epoch(e)``; a loop written for
+        it, resumed from a checkpoint of the model only, would otherwise get the loader's own count.
+        """
+        now = self._sampler_epochs()
+        changed = [epoch for epoch, given in zip(now, self._given_epochs, strict=True) if epoch != given]
+        return next((epoch for epoch in changed if epoch is not None), None)
+
+    def _sampler_epochs(self) -> tuple[int | None, int | None]:
+        """The ``epoch`` attribute of each sampler that has an integer one (``DistributedSampler``'s)."""
+        epochs = (getattr(obj, "epoch", None) for obj in (self._sampler, self._batch_sampler))
+        first, second = (e if isinstance(e, int) and not isinstance(e, bool) else None for e in epochs)
+        return first, second
 
     def batches(self, epoch: int) -> Iterator[list[int]]:
         """Yields the batches of one epoch, lazily (samplers may be long)."""

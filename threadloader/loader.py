@@ -143,8 +143,9 @@ class ThreadLoader:
             (``None`` each, for a source without targets), in a reader thread: ``list`` keeps detection
             boxes of different counts as they are. Unlike DataLoader's, it sees only the targets: the
             loader decodes and stacks the images. Default: like ``default_collate``, and ``None`` for
-            a source without targets. What it raises is raised in the loop, at its batch (on a GPU, at
-            the first batch of the decode group it is in).
+            a source without targets. What it raises is raised in the loop, at its batch; where a
+            decode group holds several batches (the GPU's default, or ``decode_batch_size`` above
+            ``batch_size``), at the group's first batch.
         pin_memory: Copy each batch's CPU tensors (the images on the CPU path; tensor targets, also in
             dicts, lists and tuples) into pinned memory, in the reader thread, so that
             ``.cuda(non_blocking=True)`` copies them asynchronously. Needs CUDA: without it, a warning,
@@ -246,6 +247,9 @@ class ThreadLoader:
         )
         self._producer = self._new_producer(seed=seed)
         self._next_epoch = 0
+        # Whether set_epoch or load_state_dict chose _next_epoch since the last pass: then a sampler's
+        # epoch that the user set directly does not override it.
+        self._epoch_given = False
         self._resume = 0  # batches of epoch _next_epoch to skip, from load_state_dict
         self._progress: _Progress | None = None  # the latest iteration's
         self._iterators: WeakRegistry[_EpochIterator] = WeakRegistry()
@@ -264,12 +268,18 @@ class ThreadLoader:
         return len(self._plan)
 
     def __iter__(self) -> Iterator[tuple[Images, Any]]:
-        """Starts an epoch: the epoch set by :meth:`set_epoch`, else the previous one plus one."""
+        """Starts an epoch: the one given by :meth:`set_epoch` or a loaded state, else the last one + 1.
+
+        A ``sampler.set_epoch(e)`` of the user's since the last pass (as DataLoader's users write) gives
+        the epoch too, unless :meth:`set_epoch` was called after it.
+        """
         with self._lock:
             if self._closed:
                 raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
             epoch, start = self._next_epoch, self._resume
-            self._next_epoch += 1
+            if not self._epoch_given and (on_sampler := self._plan.epoch_set_on_the_sampler()) is not None:
+                epoch = on_sampler  # the user's sampler.set_epoch(e), as DataLoader leaves it
+            self._next_epoch, self._epoch_given = epoch + 1, False
             self._resume = 0
             self._plan.set_epoch(epoch)
             self._progress = progress = _Progress(epoch, start)
@@ -308,7 +318,7 @@ class ThreadLoader:
                     epoch,
                 )
                 self._resume = 0
-            self._next_epoch = epoch
+            self._next_epoch, self._epoch_given = epoch, True
 
     def state_dict(self) -> dict[str, Any]:
         """Where the latest iteration is, as plain data that ``torch.save`` and ``torch.load`` keep.
@@ -380,6 +390,7 @@ class ThreadLoader:
                 self._plan.seed = seed
                 self._producer = self._new_producer(seed=seed)
             self._next_epoch, self._resume, self._progress = epoch, batches, None
+            self._epoch_given = True
 
     def stats(self) -> LoaderStats:
         """Counters and per-stage host time since construction: samples, skipped, errors, fallbacks."""
