@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
 import threading
@@ -16,7 +17,7 @@ import pytest
 
 from threadloader import SampleError, ShardError, TarShards, ThreadLoader
 
-from .conftest import distinct_jpegs, pil_reference
+from .conftest import distinct_jpegs, pil_reference, run_script
 from .test_tar import member_offset, sample, write_shard
 
 fsspec = pytest.importorskip("fsspec", reason="remote sources need fsspec: pip install -e '.[remote]'")
@@ -229,6 +230,39 @@ def test_http_shards(http: tuple[Path, str], blobs: list[bytes]) -> None:
         write_shard(root / f"{s:06d}.tar", [sample(blobs, s * 4 + k) for k in range(4)])
     loader = ThreadLoader(f"{base}/{{000000..000001}}.tar", batch_size=3, num_threads=2)
     check(loader, blobs, list(range(N)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_http_shards_read_in_a_forked_child(
+    http: tuple[Path, str], blobs: list[bytes], tmp_path: Path
+) -> None:
+    """fsspec's HTTP file system refuses to work in a forked child; a shard source that kept the one
+    it indexed with failed every sample there, where a plain URL's file works (``multiprocessing``'s
+    fork start method, a fork-based server)."""
+    root, base = http
+    write_shard(root / "x.tar", [sample(blobs, i) for i in range(2)])
+    (tmp_path / "expected.jpg").write_bytes(blobs[1])
+    script = f"""
+import os, sys
+from threadloader import TarShards
+
+source = TarShards({base + "/x.tar"!r})
+member, _ = source[1]
+expected = open(sys.argv[1], "rb").read()
+assert member.read() == expected  # the parent's file system is made and used
+pid = os.fork()
+if pid == 0:
+    try:
+        os._exit(0 if member.read() == expected else 1)
+    except BaseException as exc:
+        print(type(exc).__name__, exc, file=sys.stderr, flush=True)
+        os._exit(2)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    done = run_script(tmp_path, script, str(tmp_path / "expected.jpg"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"], done.stderr
 
 
 def test_http_server_without_ranges_is_named(plain_http: tuple[Path, str], blobs: list[bytes]) -> None:

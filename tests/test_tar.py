@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import pickle
+import shutil
+import subprocess
 import tarfile
 import threading
 from collections.abc import Callable
@@ -26,7 +28,7 @@ import threadloader._tar
 from threadloader import SampleError, ShardError, TarMember, TarShards, ThreadLoader
 from threadloader._tar import expand_braces
 
-from .conftest import distinct_jpegs, encode, photo, pil_reference, wait_for_no_reader_threads
+from .conftest import distinct_jpegs, encode, photo, pil_reference, run_script, wait_for_no_reader_threads
 
 H, W = 16, 24
 PER_SHARD = 6
@@ -373,6 +375,130 @@ def test_damaged_header_mid_shard_loses_only_its_member(
     skipping = ThreadLoader(source, batch_size=2, on_error="skip")
     assert [t for _, ts in skipping for t in ts.tolist()] == [0, 1, 3, 4]  # the members after it are kept
     assert skipping.stats().skipped == 1
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+def test_a_damaged_header_after_a_long_name_loses_only_its_member(
+    tmp_path: Path, blobs: list[bytes], fmt: int
+) -> None:
+    """Names past 100 characters take a header of their own (PAX or GNU); a damaged header after one
+    made tarfile stop, which the walk took for the shard's end: every later sample was lost, and the
+    shard called truncated."""
+    folder = "train/" + "x" * 110 + "/"
+    path = tmp_path / "long.tar"
+    with tarfile.open(path, "w", format=fmt) as archive:
+        for i in range(5):
+            for ext, data in sample(blobs, i)[1].items():
+                info = tarfile.TarInfo(f"{folder}s{i:04d}.{ext}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    _, data = member_offset(path, f"{folder}s0002.jpg")
+    with open(path, "r+b") as f:  # the checksum of the header after the long name's
+        f.seek(data - tarfile.BLOCKSIZE + 148)
+        f.write(b"garbage!")
+    source = TarShards(path)
+    assert len(source) == 5 and len(source.damaged) == 1
+    assert "not tar headers" in source.damaged[0] and "truncated" not in source.damaged[0]
+    skipping = ThreadLoader(source, batch_size=2, on_error="skip")
+    assert [t for _, ts in skipping for t in ts.tolist()] == [0, 1, 3, 4]
+
+
+def test_a_pax_global_header_is_no_damage(tmp_path: Path, blobs: list[bytes]) -> None:
+    """``git archive`` and tarfile's ``pax_headers`` write one before the members: tarfile reads it as
+    no member, so its bytes lie between members without being damage."""
+    path = tmp_path / "global.tar"
+    with tarfile.open(
+        path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "made by hand"}
+    ) as archive:
+        for key, members in [sample(blobs, i) for i in range(3)]:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    source = TarShards(path)
+    assert source.damaged == []
+    assert [t for _, ts in ThreadLoader(source, batch_size=3) for t in ts.tolist()] == [0, 1, 2]
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar writes sparse members; tarfile cannot")
+def test_a_sparse_member_is_left_out_and_said_so(tmp_path: Path, blobs: list[bytes]) -> None:
+    """A sparse member's bytes are not stored in one run from its data offset: read as one, they were
+    the wrong bytes, without an error. The sample fails, naming why; the others read as written."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    with open(folder / "s0000.jpg", "wb") as f:  # a file with a hole: stored sparse
+        f.write(blobs[0])
+        f.seek(64 * 1024)
+        f.write(blobs[0])
+    (folder / "s0000.cls").write_text("0")
+    (folder / "s0001.jpg").write_bytes(blobs[1])
+    (folder / "s0001.cls").write_text("1")
+    path = tmp_path / "sparse.tar"
+    names = ["s0000.jpg", "s0000.cls", "s0001.jpg", "s0001.cls"]
+    done = subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", str(path), "-C", str(folder), *names])
+    if done.returncode != 0:
+        pytest.skip("this tar has no --sparse")
+    with tarfile.open(path) as archive:
+        if archive.getmember("s0000.jpg").sparse is None:
+            pytest.skip("this file system keeps no holes: the member is not stored sparse")
+    source = TarShards(path)
+    assert len(source.damaged) == 1 and "sparse" in source.damaged[0]
+    delivered, error = fail_at(ThreadLoader(source, batch_size=1))
+    assert delivered == [] and error.index == 0 and "sparse" in error.reason
+    member, target = source[1]
+    assert member.read() == blobs[1] and target == 1
+
+
+def test_a_shard_path_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO's open waits for a writer forever."""
+    fifo = tmp_path / "000000.tar"
+    os.mkfifo(fifo)
+    raised: list[BaseException] = []
+
+    def index() -> None:
+        try:
+            TarShards(fifo)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=index, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "indexing a FIFO waits for a writer"
+    assert isinstance(raised[0], ShardError) and "not a regular file" in str(raised[0])
+
+
+def test_a_forked_child_reads_shards_a_parents_thread_was_reading(tmp_path: Path, blobs: list[bytes]) -> None:
+    """A fork while a reader held the storage's lock left the child's copy held: its first read
+    waited forever (``multiprocessing``'s fork start method, a fork-based server)."""
+    path = write_shard(tmp_path / "f.tar", [sample(blobs, i) for i in range(2)])
+    script = f"""
+import os, sys, threading
+from threadloader import TarShards
+
+source = TarShards({str(path)!r})
+member, _ = source[1]
+storage = source._index[0].storage
+held, release = threading.Event(), threading.Event()
+
+def reader():
+    with storage._lock:  # as a read's bookkeeping holds it
+        held.set()
+        release.wait(10)
+
+threading.Thread(target=reader, daemon=True).start()
+held.wait(10)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if member.read() == open(sys.argv[1], "rb").read() else 1)
+release.set()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    (tmp_path / "expected.jpg").write_bytes(blobs[1])
+    done = run_script(tmp_path, script, str(tmp_path / "expected.jpg"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"]
 
 
 def test_missing_members(tmp_path: Path, blobs: list[bytes]) -> None:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tarfile
 import threading
 import time
@@ -158,13 +159,23 @@ class _LocalStorage:
         self._lock = threading.Lock()
         self._files: OrderedDict[str, _File] = OrderedDict()  # by path, the least recently used first
         weakref.finalize(self, _close_all, self._files).atexit = False
+        _local_storages.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the lock anew (a parent's reader may have held it) and no readers."""
+        self._lock = threading.Lock()
+        for file in self._files.values():
+            file.readers = 0
 
     def __reduce__(self) -> tuple[type[_LocalStorage], tuple[()]]:
         """Pickles without the open files: a copy in another process opens its own."""
         return (_LocalStorage, ())
 
     def size(self, path: str) -> int:
-        return os.stat(path).st_size
+        status = os.stat(path)
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block its open forever
+            raise OSError(f"{path} is not a regular file: only regular files are read as shards")
+        return status.st_size
 
     def open(self, path: str) -> IO[bytes]:
         return open(path, "rb")
@@ -235,20 +246,42 @@ def _close_all(files: OrderedDict[str, _File]) -> None:
         os.close(files.popitem()[1].fd)
 
 
-class _FsspecStorage:
-    """A file system of fsspec: ranged ``cat_file`` calls, which keep no position either."""
+#: Every local storage alive: a forked child resets their locks and reader counts (its copy of a lock
+#: that a parent's reader held stays held, so the child's first read waited forever).
+_local_storages: weakref.WeakSet[_LocalStorage] = weakref.WeakSet()
 
-    def __init__(self, fs: Any) -> None:
-        self._fs = fs
+
+def _reset_in_child() -> None:
+    for storage in list(_local_storages):
+        storage._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
+class _FsspecStorage:
+    """A file system of fsspec: ranged ``cat_file`` calls, which keep no position either.
+
+    The file system is looked up at each call (``_remote.filesystem``: per thread, cached, forgotten
+    in a forked child), not kept: an HTTP file system made before a fork refuses to work after it.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None) -> None:
+        self._url = url
+        self._storage_options = storage_options
+
+    def _fs(self) -> Any:
+        return filesystem(self._url, self._storage_options)[0]
 
     def size(self, path: str) -> int:
-        return int(self._fs.size(path))
+        return int(self._fs().size(path))
 
     def open(self, path: str) -> IO[bytes]:
-        return self._fs.open(path, "rb")  # type: ignore[no-any-return]
+        return self._fs().open(path, "rb")  # type: ignore[no-any-return]
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        return bytes(self._fs.cat_file(path, start=offset, end=offset + size))
+        return bytes(self._fs().cat_file(path, start=offset, end=offset + size))
 
 
 class TarMember(Deferred):
@@ -534,8 +567,8 @@ def _index_shard(
     local: _LocalStorage,
 ) -> _Shard:
     if is_url(url):
-        fs, path = filesystem(url, storage_options)
-        shard = _Shard(url, path, _FsspecStorage(fs))
+        _, path = filesystem(url, storage_options)
+        shard = _Shard(url, path, _FsspecStorage(url, storage_options))
     else:
         shard = _Shard(url, url, local)
     try:
@@ -569,8 +602,11 @@ def _walk(
     """Reads every header, the target members' contents (as they go by), and checks the gaps.
 
     ``ignore_zeros`` makes tarfile step over a damaged header block by block instead of stopping
-    there (which would silently drop the rest of the shard); the gaps it steps over are checked here:
-    zero blocks are padding, anything else is a damaged header, recorded in ``shard.damage``.
+    there (which would silently drop the rest of the shard), and so does this loop where tarfile does
+    not: a damaged header after a long name's (GNU or PAX). The gaps stepped over are checked here:
+    zero blocks are padding, pax global headers are headers, anything else is a damaged header,
+    recorded in ``shard.damage``. A sparse member's bytes are not stored in one run: it is left out,
+    and said so there.
 
     Returns:
         The regular-file members, and per target member name its bytes or why it cannot be read.
@@ -580,30 +616,68 @@ def _walk(
     gaps: list[tuple[int, int]] = []
     expected = 0  # where the next header should start
     with tarfile.open(fileobj=f, mode="r:", ignore_zeros=True) as archive:
-        try:
-            for member in archive:
-                if member.offset > expected:
-                    gaps.append((expected, member.offset))
-                # tarfile's own rule for which members have data blocks after their header
-                has_data = member.isreg() or member.type not in tarfile.SUPPORTED_TYPES
-                expected = member.offset_data + (_blocks(member.size) if has_data else 0)
-                if not member.isreg():
-                    continue
-                members.append(member)
-                parts = _split_name(member.name)
-                if target is not None and parts is not None and parts[1] == target:
-                    targets[member.name] = _read_target(archive, member, size)
-        except tarfile.ReadError as exc:  # member data running past the end: the last member is truncated
-            shard.damage.append(f"truncated at byte {size} ({exc})")
+        while True:
+            try:
+                member = archive.next()
+            except tarfile.ReadError as exc:
+                if archive.offset >= size:  # member data running past the end: the last one is truncated
+                    shard.damage.append(f"truncated at byte {size} ({exc})")
+                    break
+                archive.offset += tarfile.BLOCKSIZE  # a damaged header after a long name's: step over
+                continue
+            if member is None:
+                break
+            if member.offset > expected:
+                gaps.append((expected, member.offset))
+            expected = archive.offset  # past its data, as tarfile found it (a sparse member's is shorter)
+            if not member.isreg():
+                continue
+            if member.sparse is not None:
+                shard.damage.append(
+                    f"member {member.name!r} is stored sparse (tar --sparse), its bytes not in one run: "
+                    "left out; write shards without --sparse"
+                )
+                continue
+            members.append(member)
+            parts = _split_name(member.name)
+            if target is not None and parts is not None and parts[1] == target:
+                targets[member.name] = _read_target(archive, member, size)
     if expected < size:
         gaps.append((expected, size))
     for start, end in gaps:
-        f.seek(start)
-        if f.read(end - start).strip(b"\0"):
+        start = _past_global_headers(f, start, end)
+        if not _zeros(f, start, end):
             shard.damage.append(
                 f"bytes {start}-{end} are not tar headers: a damaged or cut-off header, its member lost"
             )
     return members, targets
+
+
+def _past_global_headers(f: IO[bytes], start: int, end: int) -> int:
+    """Where a gap goes on past the pax global headers at its start (tarfile reads them as no member)."""
+    while start + tarfile.BLOCKSIZE <= end:
+        f.seek(start)
+        try:
+            header = tarfile.TarInfo.frombuf(f.read(tarfile.BLOCKSIZE), "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            break
+        if header.type != tarfile.XGLTYPE:
+            break
+        start += tarfile.BLOCKSIZE + _blocks(header.size)
+    return min(start, end)
+
+
+def _zeros(f: IO[bytes], start: int, end: int) -> bool:
+    """Whether the bytes from ``start`` to ``end`` are all zero (padding), read a MiB at a time."""
+    f.seek(start)
+    while start < end:
+        chunk = f.read(min(1 << 20, end - start))
+        if not chunk:
+            break
+        if chunk.strip(b"\0"):
+            return False
+        start += len(chunk)
+    return True
 
 
 def _blocks(size: int) -> int:
