@@ -266,3 +266,67 @@ def test_random_resized_crop_takes_any_leading_dimensions() -> None:
     out = RandomResizedCrop(16).apply(stack, (3, 4, 50, 60))
     assert out.shape == (1, 2, 3, 16, 16)
     assert torch.equal(out[0, 1], RandomResizedCrop(16).apply(IMAGE.flip(-1), (3, 4, 50, 60)))
+
+
+def test_a_chain_that_normalizes_needs_a_float_output() -> None:
+    """uint8, the default output, cannot hold normalized values: they were wrapped into 0-255."""
+    jpeg = encode(photo(24, 32))
+    normalize = Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    with pytest.raises(ValueError, match=r"normalized values .* dtype=torch.uint8 .* dtype=torch.float32"):
+        ThreadLoader([jpeg], device="cpu", transform=[ToDtype(torch.float32, scale=True), normalize])
+    chain = [CenterCrop(16), ToDtype(torch.float32, scale=True), normalize]
+    with ThreadLoader([jpeg], device="cpu", dtype=torch.float32, transform=chain) as loader:
+        images, _ = next(iter(loader))
+    assert images.dtype == torch.float32 and images.min() < 0
+    back = [ToDtype(torch.float32, scale=True), normalize, ToDtype(torch.uint8)]  # the chain itself goes back
+    ThreadLoader([jpeg], device="cpu", transform=back).close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+def test_integer_images_past_uint8_keep_their_range_when_resized(dtype: torch.dtype) -> None:
+    images = torch.randint(0, 30000, (1, 3, 40, 60), generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = torch.nn.functional.interpolate(
+        images.double(), size=(20, 30), mode="bilinear", antialias=True, align_corners=False
+    )
+    got = Resize((20, 30))(images)
+    assert got.dtype == dtype and got.max() > 255
+    assert (got.double() - expected.round()).abs().max() <= 1
+
+
+def test_to_dtype_scales_by_the_integer_types_own_range() -> None:
+    """As torchvision's ``to_dtype(scale=True)``: an integer type's range is [0, 1] in floats, and
+    integers convert by shifting their value bits (15 for int16, 8 for uint8)."""
+    int16 = torch.tensor([0, 1000, 32767], dtype=torch.int16)
+    assert torch.allclose(ToDtype(torch.float32, scale=True)(int16), int16.float() / 32767)
+    halves = torch.tensor([0.0, 0.5, 1.0])
+    assert ToDtype(torch.int16, scale=True)(halves).tolist() == [0, 16383, 32767]
+    assert ToDtype(torch.int16, scale=True)(torch.tensor([0, 128, 255], dtype=torch.uint8)).tolist() == [
+        0,
+        128 << 7,
+        255 << 7,
+    ]
+    assert ToDtype(torch.uint8, scale=True)(torch.tensor([0, 16384, 32767], dtype=torch.int16)).tolist() == [
+        0,
+        128,
+        255,
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_images_resize_on_the_cpu(dtype: torch.dtype) -> None:
+    """torch's CPU kernel has no half precision: resized in float32 and cast back, as torchvision does."""
+    images = torch.rand(2, 3, 32, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+    expected = torch.nn.functional.interpolate(
+        images.float(), size=(16, 20), mode="bilinear", antialias=True, align_corners=False
+    ).to(dtype)
+    assert torch.equal(Resize((16, 20))(images), expected)
+
+
+def test_sizes_are_read_as_torchvision_reads_them() -> None:
+    image = torch.zeros(1, 3, 40, 60, dtype=torch.uint8)
+    assert CenterCrop([20])(image).shape[-2:] == (20, 20)
+    assert RandomResizedCrop([20]).output_size((40, 60)) == (20, 20)
+    assert Resize([20])(image).shape[-2:] == (20, 30)  # the shorter side
+    for transform in (CenterCrop, RandomResizedCrop):
+        with pytest.raises(ValueError, match=r"sequence of 1 or 2 ints .* got \(20, 30, 99\)"):
+            transform((20, 30, 99))

@@ -23,7 +23,7 @@ from ._device import available_cpus
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
 from .decode.nvimgcodec import DEFAULT_BACKEND, DEFAULT_BATCH_SIZE, DEFAULT_GPU_DECODERS, check_options
-from .transforms import Compose, Transform
+from .transforms import Compose, Normalize, ToDtype, Transform
 
 __all__ = ["DEFAULTS", "REGION_DECODE_ENV", "WARMUP_ENV", "Options", "as_transform"]
 
@@ -76,6 +76,12 @@ class Options:
     def __post_init__(self) -> None:
         object.__setattr__(self, "transform", as_transform(self.transform))
         self.output_format()  # checks size, dtype, mean, std and channels_last
+        normalize = _normalized_by(self.chain)
+        if normalize is not None and not self.dtype.is_floating_point:
+            raise ValueError(
+                f"the transform ends in normalized values ({normalize!r}), which dtype={self.dtype} cannot "
+                "hold: pass a float dtype (e.g. dtype=torch.float32)"
+            )
         _check_count("num_threads", self.num_threads)
         check_options(
             backend=self.backend,
@@ -180,6 +186,26 @@ def _check_count(name: str, value: object) -> None:
     """Raises unless ``value`` is ``None`` or an int of at least 1."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be at least 1, got {value!r}")
+
+
+def _normalized_by(chain: Transform | None) -> Normalize | None:
+    """The chain's :class:`Normalize` whose values reach the output (no ``ToDtype`` to integers after it)."""
+    found = None
+    for transform in _steps(chain):
+        if isinstance(transform, Normalize):
+            found = transform
+        elif isinstance(transform, ToDtype) and not transform.dtype.is_floating_point:
+            found = None
+    return found
+
+
+def _steps(chain: Transform | None) -> list[Transform]:
+    """A chain's transforms in order, nested :class:`Compose` flattened."""
+    if chain is None:
+        return []
+    if isinstance(chain, Compose):
+        return [step for transform in chain.transforms for step in _steps(transform)]
+    return [chain]
 
 
 #: Every option's default: the front ends' signatures name these.

@@ -17,6 +17,15 @@ from .functional import Images
 __all__ = ["CenterCrop", "RandomHorizontalFlip", "RandomResizedCrop", "Resize"]
 
 
+def _crop_size(size: int | Sequence[int]) -> tuple[int, int]:
+    """A crop's ``(H, W)`` from an int or a sequence of one (square) or two, as torchvision reads it."""
+    if isinstance(size, int):
+        return size, size
+    if isinstance(size, Sequence) and len(size) in (1, 2):
+        return int(size[0]), int(size[-1])
+    raise ValueError(f"size must be an int or a sequence of 1 or 2 ints (height, width), got {size!r}")
+
+
 class Resize(Transform):
     """Resizes to ``(H, W)``, or the shorter side to ``size`` keeping the aspect ratio (bilinear).
 
@@ -29,6 +38,8 @@ class Resize(Transform):
     def __init__(
         self, size: int | Sequence[int], *, max_size: int | None = None, antialias: bool = True
     ) -> None:
+        if not isinstance(size, int) and isinstance(size, Sequence) and len(size) == 1:
+            size = int(size[0])  # torchvision reads a sequence of one as the shorter side
         self.size = size
         self.max_size = max_size
         self.antialias = antialias
@@ -75,7 +86,7 @@ class CenterCrop(Transform):
     """Crops the center ``(H, W)`` (an int: square), padding with zeros where the image is smaller."""
 
     def __init__(self, size: int | Sequence[int]) -> None:
-        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        self.size = _crop_size(size)
 
     def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
         """Always the crop size."""
@@ -109,7 +120,7 @@ class RandomResizedCrop(Transform):
         ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
         antialias: bool = True,
     ) -> None:
-        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        self.size = _crop_size(size)
         if scale[0] > scale[1] or ratio[0] > ratio[1]:
             raise ValueError(f"scale and ratio must be (min, max), got {scale} and {ratio}")
         self.scale = scale

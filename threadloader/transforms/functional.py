@@ -50,22 +50,46 @@ def resize(images: torch.Tensor, size: tuple[int, int], *, antialias: bool = Tru
         # Fastest on channels_last input, which a decoded HWC image permuted to CHW already is.
         out = F.interpolate(work, size=size, mode="bilinear", antialias=antialias, align_corners=False)
         return out.reshape(*shape[:-2], *size)
-    floating = work if work.is_floating_point() else work.float()
+    # torch's CPU kernel has no half precision: those resize in float32, as torchvision's do.
+    half_on_cpu = work.device.type == "cpu" and work.dtype in (torch.float16, torch.bfloat16)
+    floating = work if work.is_floating_point() and not half_on_cpu else work.float()
     out = F.interpolate(floating, size=size, mode="bilinear", antialias=antialias, align_corners=False)
-    if not images.is_floating_point():
-        out = out.round_().clamp_(0, 255).to(images.dtype)
-    return out.reshape(*shape[:-2], *size)
+    return _rounded_to(out, images.dtype).reshape(*shape[:-2], *size)
+
+
+def _rounded_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float results as ``dtype``: integers rounded and clamped to the type's range (uint8's 0-255)."""
+    if dtype.is_floating_point:
+        return values.to(dtype)
+    info = torch.iinfo(dtype)
+    return values.round_().clamp_(info.min, info.max).to(dtype)
 
 
 def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.Tensor:
-    """Converts images, scaling ``uint8`` 0-255 to and from [0, 1] floats when ``scale`` is set."""
+    """Converts images; with ``scale`` as torchvision's, keeping the value range's meaning.
+
+    An integer type's range maps to and from [0, 1] floats (``uint8``'s 0-255), and integer types
+    convert by shifting their value bits.
+    """
     if images.dtype == dtype:
         return images
-    if not scale or images.is_floating_point() == dtype.is_floating_point:
+    source_floating = images.is_floating_point()
+    if not scale or (source_floating and dtype.is_floating_point):
         return images.to(dtype)
-    if dtype.is_floating_point:
-        return images.to(dtype).div_(255)  # exact: a multiply by 1/255 is one ulp off for half the bytes
-    return images.mul(255 + 1 - 1e-3).to(dtype)  # torchvision's rule for float to uint8
+    if dtype.is_floating_point:  # exact: a multiply by 1/255 is one ulp off for half the bytes
+        return images.to(dtype).div_(torch.iinfo(images.dtype).max)
+    if source_floating:
+        return images.mul(torch.iinfo(dtype).max + 1 - 1e-3).to(dtype)  # torchvision's rule
+    shift = _value_bits(dtype) - _value_bits(images.dtype)
+    if shift >= 0:
+        return images.to(dtype).bitwise_left_shift_(shift)
+    return images.bitwise_right_shift(-shift).to(dtype)
+
+
+def _value_bits(dtype: torch.dtype) -> int:
+    """Bits that carry an integer type's non-negative values (7 for int8, 8 for uint8)."""
+    info = torch.iinfo(dtype)
+    return info.bits - (info.min < 0)
 
 
 def normalize(
@@ -231,9 +255,7 @@ def _resample(
     tall = torch.bmm(rows[:, :, :height], work).view(batch, out_h, width, channels)
     wide = tall.transpose(1, 2).reshape(batch, width, out_h * channels)
     out = torch.bmm(columns[:, :, :width], wide).view(batch, out_w, out_h, channels).permute(0, 3, 2, 1)
-    if not target.is_floating_point:
-        out = out.round_().clamp_(0, 255)
-    return out.to(target)
+    return _rounded_to(out, target)
 
 
 def _resample_each(
@@ -256,9 +278,7 @@ def _resample_each(
             resized = resize(crop, size, antialias=antialias)
         else:
             compute = torch.float64 if torch.float64 in (crop.dtype, target) else torch.float32
-            resized = resize(crop.to(compute), size, antialias=antialias)
-            if not target.is_floating_point:
-                resized = resized.round().clamp_(0, 255)
+            resized = _rounded_to(resize(crop.to(compute), size, antialias=antialias), target)
         row.copy_(resized[0])
     return out
 
