@@ -217,10 +217,14 @@ def tag(result: ResultFile) -> str:
 
 
 def file_labels(found: list[ResultFile], title: Callable[[ResultFile], str]) -> list[str]:
-    """Each file's ``title``; with its tag where two share one."""
+    """Each file's ``title``; where two share one, with its GPU if that tells them apart, else its tag."""
     names = [title(result) for result in found]
     if len(set(names)) == len(names):
         return names
+    if len({gpu_name(result) for result in found}) > 1:
+        on_gpus = [f"{name}, {gpu_name(result)}" for name, result in zip(names, found, strict=True)]
+        if len(set(on_gpus)) == len(on_gpus):
+            return on_gpus
     return [f"{name}, {tag(result)}" for name, result in zip(names, found, strict=True)]
 
 
@@ -301,8 +305,8 @@ def _startup_label(measure: str) -> str:
 def memory_tables(runs: list[ResultFile], trainings: list[ResultFile]) -> list[str]:
     """One table: extra GPU memory and start-up of every row that measured them, of either entry point."""
     entries: list[tuple[str, str, Json, bool]] = []  # run, loader, row, whether a benchmarks.run row
-    for result in runs:
-        entries += [(f"`benchmarks.run`: {set_title(result)}", r["name"], r, True) for r in result.rows]
+    for result, label in zip(runs, file_labels(runs, set_title), strict=True):
+        entries += [(f"`benchmarks.run`: {label}", r["name"], r, True) for r in result.rows]
     for result, label in zip(trainings, labels(trainings), strict=True):
         for r in result.rows:
             if r["spec"]["loader"] == "fixed_input" or r["status"] != "ok":

@@ -70,6 +70,18 @@ def test_files_of_one_interpreter_on_two_gpus_are_told_apart_by_the_gpu(tmp_path
     assert "Measured on an NVIDIA H200 and an NVIDIA H100 80GB HBM3 (" in summary
 
 
+def test_throughput_files_of_one_set_on_two_gpus_are_told_apart_by_the_gpu(tmp_path: Path) -> None:
+    shutil.copy(report.RESULTS / "throughput-fixed.json", tmp_path / "throughput-fixed.json")
+    data = json.loads((tmp_path / "throughput-fixed.json").read_text())
+    data["hardware"] |= {"gpu": "NVIDIA H100 80GB HBM3"}
+    (tmp_path / "throughput-fixed-h100.json").write_text(json.dumps(data))
+    runs = report.load(tmp_path, "throughput-*.json")
+    text = "\n".join(report.throughput_tables(runs, page=True) + report.memory_tables(runs, []))
+    for gpu in ("H100", "H200"):
+        assert f"| fixed set, 256x256, batch 64, {gpu} | dali" in text
+        assert f"| `benchmarks.run`: fixed set, 256x256, batch 64, {gpu} | dali" in text
+
+
 def test_queued_files_are_labelled_by_their_switch(tmp_path: Path) -> None:
     for switch in (0, 1):
         data = json.loads((report.RESULTS / "throughput-fixed.json").read_text())
