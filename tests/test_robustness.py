@@ -436,6 +436,35 @@ def test_a_folder_given_as_a_path_is_a_read_error_and_leaks_no_descriptor(tmp_pa
         assert open_descriptors() <= before
 
 
+def test_links_that_loop_on_themselves_are_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link that resolves to itself makes ``is_dir()`` raise ELOOP (a broken link only gives False):
+    the whole listing failed on one bad entry, a class folder or a file."""
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "ok.jpg").write_bytes(GOOD[0])
+    (tmp_path / "cat" / "self.jpg").symlink_to(tmp_path / "cat" / "self.jpg")
+    (tmp_path / "dogs").symlink_to(tmp_path / "dogs")
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        folder = ImageFolder(tmp_path)
+    assert folder.classes == ["cat"] and folder.samples == [(str(tmp_path / "cat" / "ok.jpg"), 0)]
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert repr(str(tmp_path / "dogs")) in messages and repr(str(tmp_path / "cat" / "self.jpg")) in messages
+
+
+@pytest.mark.parametrize("path", ["bad\x00name.jpg", "\ud800.jpg"])
+def test_a_path_python_cannot_open_is_its_samples_read_error(path: str) -> None:
+    """``os.open`` raises ValueError (a NUL) or UnicodeEncodeError (a lone surrogate) for such a path,
+    not OSError: the whole batch failed, also with ``on_error="skip"``, naming no sample."""
+    with ThreadLoader([(GOOD[0], 0), (path, 1)], batch_size=2, device="cpu", on_error="skip") as loader:
+        assert [targets.tolist() for _, targets in loader] == [[0]]
+        assert loader.stats().skipped == 1
+    loader = ThreadLoader([(GOOD[0], 0), (path, 1)], batch_size=2, device="cpu")
+    with loader, pytest.raises(SampleError) as caught:
+        list(loader)
+    assert (caught.value.index, caught.value.stage) == (1, "read")
+
+
 def test_symlinked_folders_are_followed_once_and_loops_reported(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

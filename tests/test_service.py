@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -672,13 +673,45 @@ def test_micro_batcher_sheds_load_and_frees_a_cancelled_slot() -> None:
     [
         ({"fn": None}, TypeError, "fn must be callable"),
         ({"num_threads": 0}, ValueError, "num_threads"),
+        ({"num_threads": None}, ValueError, r"num_threads must be an int, got None \(NoneType\)"),
         ({"max_batch": 0}, ValueError, "max_batch"),
+        ({"max_batch": 2.5}, ValueError, r"max_batch must be an int, got 2\.5"),
+        ({"max_queue": None}, ValueError, r"max_queue must be an int, got None"),
         ({"when_full": "drop"}, ValueError, "when_full"),
+        # inf and past threading.TIMEOUT_MAX: a worker's wait raised and the worker died with its
+        # requests unanswered; NaN: a lone request waited forever, its worker spinning
+        ({"max_delay_ms": float("inf")}, ValueError, "max_delay_ms must be a finite number .*got inf"),
+        ({"max_delay_ms": 1e13}, ValueError, "max_delay_ms must be a finite number"),
+        ({"max_delay_ms": float("nan")}, ValueError, "max_delay_ms must be a finite number .*got nan"),
+        ({"max_delay_ms": None}, ValueError, "max_delay_ms must be a finite number .*got None"),
     ],
 )
 def test_micro_batcher_bad_options(options: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         MicroBatcher(**{"fn": list, **options})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, "1"])
+def test_a_bad_timeout_is_refused_at_once(timeout: object) -> None:
+    """NaN never ran out: a submit to a full queue spun forever at a whole core."""
+    release = threading.Event()
+
+    def held(inputs: list[int]) -> list[int]:
+        release.wait(10)
+        return inputs
+
+    with MicroBatcher(held, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
+        first = batcher.submit(1)
+        time.sleep(0.05)  # taken by the worker
+        second = batcher.submit(2)  # fills the queue
+        with pytest.raises(
+            ValueError, match=f"timeout must be None or a number of seconds, .*got {timeout!r}"
+        ):
+            batcher.submit(3, timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+            asyncio.run(batcher.arun(3, timeout=timeout))  # type: ignore[arg-type]
+        release.set()
+        assert (first.result(5), second.result(5)) == (1, 2)
 
 
 def test_close_from_the_done_callbacks_of_two_workers_returns(tmp_path: Path) -> None:
@@ -752,6 +785,45 @@ def test_a_failed_batch_keeps_nothing_of_its_function_alive() -> None:
             assert freed.wait(5), "the function's locals are alive while its caller holds the future"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(("returned", "name"), [(None, "NoneType"), (map(str, []), "map")])
+def test_a_batch_function_returning_no_sequence_says_so(returned: object, name: str) -> None:
+    with MicroBatcher(lambda inputs: returned, max_batch=1, max_delay_ms=0) as batcher:  # type: ignore[arg-type,return-value]
+        error = batcher.submit(1).exception(10)
+    assert isinstance(error, TypeError)
+    assert str(error).startswith(f"the batch function returned {name}; return a list (or a tensor)")
+
+
+def test_each_request_of_a_failed_batch_gets_its_own_error() -> None:
+    """A raise adds the raising caller's frames to the error: one object shared by a batch's requests
+    carried one caller's frames and locals (a request's body) into the next caller's traceback."""
+
+    def out_of_memory(inputs: list[int]) -> list[int]:
+        raise MemoryError(f"no room for {len(inputs)} inputs")
+
+    def first_callers_handler(future: concurrent.futures.Future[int]) -> BaseException:
+        body = bytearray(1000)  # a local that must not reach the second caller's error  # noqa: F841
+        try:
+            future.result(10)
+        except MemoryError as error:
+            error.add_note("seen by the first caller")
+            return error
+        raise AssertionError("the batch did not fail")
+
+    with MicroBatcher(out_of_memory, num_threads=1, max_batch=2, max_delay_ms=200) as service:
+        futures = [service.submit(1), service.submit(2)]
+        first = first_callers_handler(futures[0])
+        second = futures[1].exception(10)
+    assert type(first) is type(second) is MemoryError and first is not second
+    assert str(first) == str(second) == "no room for 2 inputs"
+    assert "seen by the first caller" not in getattr(second, "__notes__", [])
+    assert "out_of_memory" in "".join(getattr(second, "__notes__", []))  # the function's traceback, as text
+    try:
+        futures[1].result()
+    except MemoryError as raised:
+        names = [frame.f_code.co_name for frame, _ in traceback.walk_tb(raised.__traceback__)]
+    assert "first_callers_handler" not in names, names
 
 
 def test_a_service_finalized_inside_its_own_queue_lock_does_not_deadlock(tmp_path: Path) -> None:

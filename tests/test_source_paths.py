@@ -41,3 +41,20 @@ def test_a_url_is_not_checked_for_existence() -> None:
     """A URL names no local path: it gets the message about what a single path may be."""
     with pytest.raises(TypeError, match="must be a directory"):
         ThreadLoader("s3://bucket/images")
+
+
+def test_a_local_file_with_double_colons_in_its_name_is_read_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Foo::Bar.png`` was taken for an fsspec chain (``simplecache::s3://...``) and looked up as
+    ``Foo`` on no file system: not found (or fsspec missing), though the file was right there."""
+    from threadloader._remote import is_url
+
+    monkeypatch.chdir(tmp_path)
+    pixels = photo(8, 6)
+    (tmp_path / "Foo::Bar.png").write_bytes(encode(pixels, "PNG"))
+    with ThreadLoader([("Foo::Bar.png", 3)], batch_size=1, device="cpu") as loader:
+        ((images, targets),) = list(loader)
+    assert targets.tolist() == [3] and images[0].permute(1, 2, 0).numpy().tolist() == pixels.tolist()
+    assert is_url("simplecache::s3://bucket/key.jpg") and is_url("s3://bucket/key.jpg")
+    assert not is_url("Foo::Bar.png") and not is_url("C::D/e.jpg")

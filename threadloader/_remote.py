@@ -24,14 +24,15 @@ from typing import Any
 __all__ = ["filesystem", "is_url", "read_url", "require_fsspec"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-# Chained URLs (``simplecache::s3://...``) carry ``::`` before the scheme's ``://``.
-_CHAINED = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*::")
+# Chained URLs (``simplecache::s3://...``) carry ``::`` before a scheme's ``://``: a local file named
+# ``Foo::Bar.png`` has no ``://`` after it, and is read as the local file it is.
+_CHAINED = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*::.*://")
 
 
 def is_url(text: str) -> bool:
     """Whether ``text`` names a file by URL (``scheme://...`` or an fsspec chain ``a::b://...``)."""
-    # The substring tests first: a local path (the common case) is then refused without a regex.
-    return ("://" in text or "::" in text) and bool(_URL.match(text) or _CHAINED.match(text))
+    # The substring test first: a local path (the common case) is then refused without a regex.
+    return "://" in text and bool(_URL.match(text) or _CHAINED.match(text))
 
 
 def require_fsspec(url: str) -> Any:

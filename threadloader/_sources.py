@@ -136,7 +136,8 @@ class ImageFolder:
         self.root = Path(root)
         if not self.root.is_dir():
             raise NotADirectoryError(f"ImageFolder root {str(self.root)!r} is not a directory")
-        self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())
+        with os.scandir(self.root) as scan:
+            self.classes = sorted(entry.name for entry in scan if _is_folder(entry))
         if not self.classes:
             raise FileNotFoundError(
                 f"no class sub-folders in {str(self.root)!r}: a directory source must hold one folder per "
@@ -160,6 +161,23 @@ class ImageFolder:
 
     def __repr__(self) -> str:
         return f"ImageFolder({str(self.root)!r}, classes={len(self.classes)}, samples={len(self.samples)})"
+
+
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a folder, through links; a link that loops (ELOOP) or fails is not one."""
+    try:
+        return entry.is_dir()
+    except OSError as exc:  # is_dir() is False for a link to nothing, but raises for a link loop
+        logger.warning("left out %r: %s: %s", entry.path, type(exc).__name__, exc)
+        return False
+
+
+def _is_regular(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a regular file, through links; one that cannot be looked at is not."""
+    try:
+        return entry.is_file()
+    except OSError:  # a link loop: counted with the other paths that are not regular files
+        return False
 
 
 def _image_files(top: str) -> list[str]:
@@ -188,7 +206,7 @@ def _image_files(top: str) -> list[str]:
             continue
         folders = []
         for entry in entries:
-            if entry.is_dir():
+            if _is_folder(entry):
                 if entry.is_symlink() and _links_to_ancestor(entry.path):
                     logger.warning(
                         "symlink loop: %r leads to %r, a folder it is inside; not followed",
@@ -198,12 +216,12 @@ def _image_files(top: str) -> list[str]:
                 else:
                     folders.append(entry.path)
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
-                (files if entry.is_file() else others).append(entry.path)
+                (files if _is_regular(entry) else others).append(entry.path)
         pending.extend(reversed(folders))
     if others:
         logger.warning(
             "left out %d path(s) with an image extension that are not regular files (FIFO, socket, "
-            "device or broken link): %s",
+            "device, broken link or link loop): %s",
             len(others),
             ", ".join(repr(path) for path in sorted(others)[:5]) + (", ..." if len(others) > 5 else ""),
         )
@@ -346,7 +364,7 @@ def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
                 return data
         finally:
             os.close(fd)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, a lone surrogate in its name
         return _error(exc, index, os.fspath(path), "read")
     return SampleError(
         index=index,

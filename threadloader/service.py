@@ -27,7 +27,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from ._options import DEFAULTS, Options
+from ._options import DEFAULTS, Options, check_count
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
 from ._serving.engine import Engine, Runner, serve
@@ -161,6 +161,8 @@ class _Batching(Generic[T, R]):
         return await asyncio.wrap_future(future)
 
     def _wait(self, timeout: float | None) -> float | None:
+        if timeout is not None and not (_is_number(timeout) and timeout >= 0):  # NaN: a caller spinning
+            raise ValueError(f"timeout must be None or a number of seconds, 0 or more, got {timeout!r}")
         return timeout if self.when_full == "block" else 0.0
 
     def _checked(self, data: T) -> T:
@@ -456,8 +458,7 @@ class MicroBatcher(_Batching[T, R]):
         _check_batching(
             max_batch=max_batch, max_delay_ms=max_delay_ms, max_queue=max_queue, when_full=when_full
         )
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        check_count("num_threads", num_threads, optional=False)
         if not callable(fn):
             raise TypeError(f"fn must be callable (inputs -> one result each), got {type(fn).__name__}")
         where = torch.device(device if device is not None else "cpu")
@@ -506,11 +507,18 @@ class MicroBatcher(_Batching[T, R]):
 
 
 def _check_batching(*, max_batch: int, max_delay_ms: float, max_queue: int, when_full: str) -> None:
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-    if max_delay_ms < 0:
-        raise ValueError(f"max_delay_ms must be 0 or more, got {max_delay_ms}")
-    if max_queue < 1:
-        raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+    check_count("max_batch", max_batch, optional=False)
+    check_count("max_queue", max_queue, optional=False)
+    # inf or NaN would hold a lone request forever (a worker spinning on NaN), and past
+    # threading.TIMEOUT_MAX a worker's wait raises: it would die with its requests unanswered.
+    if not _is_number(max_delay_ms) or not 0 <= max_delay_ms / 1000 <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"max_delay_ms must be a finite number of milliseconds, 0 or more, got {max_delay_ms!r}"
+        )
     if when_full not in ("block", "raise"):
         raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
+
+
+def _is_number(value: object) -> bool:
+    """An int or a float, not a bool (``True`` is no number of milliseconds)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)

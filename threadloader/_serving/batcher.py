@@ -61,6 +61,11 @@ class CallEngine:
     def _answer_all(
         self, requests: list[Request], results: Sequence[Any], event: torch.cuda.Event | None
     ) -> None:
+        if not hasattr(results, "__len__") or not hasattr(results, "__getitem__"):
+            raise TypeError(
+                f"the batch function returned {type(results).__name__}; return a list (or a tensor) with "
+                "one result per input, in order: a generator or map cannot be counted against the inputs"
+            )
         if len(results) != len(requests):
             raise ValueError(
                 f"the batch function returned {len(results)} results for a micro-batch of {len(requests)} "

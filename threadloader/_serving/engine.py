@@ -8,6 +8,7 @@ and the worker goes on.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,7 +132,27 @@ def answer(
 def _fail_unanswered(metrics: Metrics, requests: list[Request], error: BaseException) -> None:
     for request in requests:
         if not request.future.done():
-            answer(metrics, request, error=error)
+            answer(metrics, request, error=_own_copy(error))
+
+
+def _own_copy(error: BaseException) -> BaseException:
+    """A request's own copy of its batch's error, of the same type and chain.
+
+    Each ``future.result()`` raises the object it was given, and a raise adds the raising caller's
+    frames to that object's traceback: one object shared by a batch's callers carried each caller's
+    frames, and the locals in them (a request's body), to the others, and kept them alive. An error
+    that cannot be copied is shared.
+    """
+    try:
+        own = copy.copy(error)
+    except Exception:
+        return error
+    own.__cause__, own.__context__ = error.__cause__, error.__context__
+    own.__suppress_context__ = error.__suppress_context__
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:
+        own.__notes__ = list(notes)  # type: ignore[attr-defined]  # a note one caller adds stays its own
+    return own
 
 
 def serve(queue: RequestQueue, runner: Runner, index: int) -> None:
