@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import threading
 
 import numpy as np
@@ -321,3 +322,38 @@ def test_pillow_on_several_threads_keeps_order_pixels_and_errors(
 def test_pillow_threads_must_be_a_positive_int(threads: object) -> None:
     with pytest.raises(ValueError, match=f"threads must be a positive int .*got {threads!r}"):
         PillowDecoder(threads=threads)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("max_pixels", ["1e6", 0, -5, True, 1.5e6])
+def test_pillow_max_pixels_is_checked_where_it_is_given(max_pixels: object) -> None:
+    # Met only inside Pillow's format probing, a wrong type made every image read as unidentifiable.
+    with pytest.raises(ValueError, match=f"max_pixels must be an int of at least 1 .*got {max_pixels!r}"):
+        PillowDecoder(max_pixels=max_pixels)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_count_as_ints() -> None:
+    png = encode(np.full((4, 6, 3), (200, 10, 30), np.uint8), "PNG")
+    decoded = PillowDecoder(threads=np.int64(2), max_pixels=np.int64(24)).decode([png], stream=None)
+    image = decoded.image(0)
+    assert image is not None and image.shape == (4, 6, 3) and image[0, 0].tolist() == [200, 10, 30]
+    over = PillowDecoder(max_pixels=np.int64(23)).decode([png], stream=None)
+    assert over.image(0) is None
+
+
+def test_gray_images_pillow_opens_as_32_bit_are_scaled_by_what_their_file_holds() -> None:
+    """Pillow opens a 16-bit PGM as 32-bit "I", and a 32-bit or signed TIFF too: only the first holds
+    16-bit samples (reduced to their high byte, as PNG's I;16). Shifted as 16-bit, the TIFF's 0-255
+    values went black and its negative ones white; Pillow's own conversion clips them to 0-255."""
+    sixteen = np.array([[0, 255, 256, 4660, 65535]], np.uint16)
+    pgm = io.BytesIO()
+    Image.fromarray(sixteen).save(pgm, "PPM")
+    assert Image.open(io.BytesIO(pgm.getvalue())).mode == "I"
+    assert pillow.decode_rgb(pgm.getvalue())[0, :, 0].tolist() == [0, 0, 1, 18, 255]
+    wide = np.array([[-20000, -1, 0, 121, 255, 300, 70000]], np.int32)
+    tiff = io.BytesIO()
+    Image.fromarray(wide, "I").save(tiff, "TIFF")
+    with Image.open(io.BytesIO(tiff.getvalue())) as image:
+        assert image.mode == "I"
+        reference = np.asarray(image.convert("RGB"))
+    assert reference[0, :, 0].tolist() == [0, 0, 0, 121, 255, 255, 255]  # Pillow clips
+    assert np.array_equal(pillow.decode_rgb(tiff.getvalue()), reference)

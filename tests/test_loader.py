@@ -889,12 +889,21 @@ def test_size_none_keeps_each_original_size() -> None:
         ({"on_error": "ignore"}, "on_error must be 'raise' or 'skip', got 'ignore'"),
         ({"prefetch": 0}, "prefetch must be at least 1"),
         ({"num_threads": 0}, "num_threads must be at least 1"),
-        ({"seed": -1}, "seed must be a non-negative int or None, got -1"),
-        ({"seed": 1.5}, "seed must be a non-negative int"),
+        ({"seed": -1}, r"seed must be an int from 0 to 2\*\*64 - 1 .*, or None, got -1"),
+        ({"seed": 1.5}, "seed must be an int from 0"),
+        ({"seed": 2**64}, f"seed must be an int from 0 .*got {2**64}"),  # its draws were seed=0's
+        ({"seed": True}, "seed must be an int from 0 .*got True"),
         ({"batch_size": 0}, "batch_size must be a positive integer"),
         ({"batch_size": None}, "batch_size must be a positive integer"),
-        ({"size": (0, 10)}, "size must be \\(height, width\\) with positive sides"),
+        ({"size": (0, 10)}, "size must be \\(height, width\\), two ints of at least 1, got \\(0, 10\\)"),
         ({"size": (10,)}, "size must be \\(height, width\\)"),
+        ({"size": 224}, r"got 224; for a square output pass \(224, 224\), .* transform=Resize\(224\)"),
+        ({"size": (224.7, 100.2)}, r"two ints of at least 1, got \(224\.7, 100\.2\)"),  # was truncated
+        ({"size": (True, True)}, r"two ints of at least 1, got \(True, True\)"),
+        ({"max_pixels": "1e6"}, "max_pixels must be an int of at least 1 \\(pixels\\), or None .*got '1e6'"),
+        ({"max_pixels": 0}, "max_pixels must be an int of at least 1"),
+        ({"max_pixels": True}, "max_pixels must be an int of at least 1"),
+        ({"num_threads": 2.0}, r"num_threads must be an int or None, got 2\.0 \(float\)"),
         ({"dtype": torch.int32}, "dtype must be torch.uint8 or a float type"),
         ({"backend": "hardware", "device": "cpu"}, "backend='hardware' selects an nvImageCodec backend"),
         ({"backend": "cuda"}, "with device='cpu' Pillow decodes"),
@@ -907,6 +916,12 @@ def test_invalid_options_raise_value_error(blobs: list[bytes], options: dict, me
         options = {**options, "device": "cpu"}
     with pytest.raises(ValueError, match=message):
         ThreadLoader(blobs, **options)
+
+
+def test_numpy_integers_are_counts(blobs: list[bytes]) -> None:
+    counts = {"num_threads": np.int64(2), "decode_batch_size": np.int64(4), "max_pixels": np.int64(10**6)}
+    loader = ThreadLoader(blobs, batch_size=2, size=(8, 8), device="cpu", **counts)
+    assert sum(len(images) for images, _ in loader) == len(blobs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

@@ -12,6 +12,7 @@ built.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from ._device import available_cpus
 from ._output import OutputFormat
-from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder
+from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder, check_pixel_limit
 from .decode.nvimgcodec import DEFAULT_BACKEND, DEFAULT_BATCH_SIZE, DEFAULT_GPU_DECODERS, check_options
 from .transforms import Compose, Normalize, ToDtype, Transform
 
@@ -82,7 +83,8 @@ class Options:
                 f"the transform ends in normalized values ({normalize!r}), which dtype={self.dtype} cannot "
                 "hold: pass a float dtype (e.g. dtype=torch.float32)"
             )
-        _check_count("num_threads", self.num_threads)
+        check_count("num_threads", self.num_threads)
+        check_pixel_limit(self.max_pixels)
         check_options(
             backend=self.backend,
             gpu_decoders=self.gpu_decoders,
@@ -160,7 +162,7 @@ def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_siz
     and did not feed a training step any faster than 64.
     """
     if decode_batch_size is not None:
-        _check_count("decode_batch_size", decode_batch_size)
+        check_count("decode_batch_size", decode_batch_size)
         return decode_batch_size
     return max(DEFAULT_BATCH_SIZE, batch_size) if device.type == "cuda" else batch_size
 
@@ -182,9 +184,14 @@ def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform
     )
 
 
-def _check_count(name: str, value: object) -> None:
-    """Raises unless ``value`` is ``None`` or an int of at least 1."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+def check_count(name: str, value: object, *, optional: bool = True) -> None:
+    """Raises unless ``value`` is an integer of at least 1 (numpy's too), or ``None`` where ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value!r}")
 
 

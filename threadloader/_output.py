@@ -7,6 +7,7 @@ on the reader thread's stream before the hand-off.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,10 +45,7 @@ class OutputFormat:
 
     def __post_init__(self) -> None:
         if self.size is not None:
-            size = tuple(int(s) for s in self.size)
-            if len(size) != 2 or min(size) < 1:
-                raise ValueError(f"size must be (height, width) with positive sides, got {self.size!r}")
-            object.__setattr__(self, "size", size)
+            object.__setattr__(self, "size", _checked_size(self.size))
         if self.dtype != torch.uint8 and self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be torch.uint8 or a float type, got {self.dtype}")
         if (self.mean is None) != (self.std is None):
@@ -179,3 +177,16 @@ class OutputFormat:
         if self.mean is not None and self.std is not None:
             work = normalize(work, self.mean, self.std, inplace=work is not batch)  # never the caller's
         return work.to(self.dtype)
+
+
+def _checked_size(size: object) -> tuple[int, int]:
+    """``size`` as ``(H, W)`` ints, or a ValueError naming the fix (an int is ambiguous: which side?)."""
+    sides = tuple(size) if isinstance(size, Sequence) and not isinstance(size, str) else ()
+    if len(sides) != 2 or not all(
+        isinstance(side, numbers.Integral) and not isinstance(side, bool) and int(side) >= 1 for side in sides
+    ):
+        raise ValueError(
+            f"size must be (height, width), two ints of at least 1, got {size!r}; for a square output "
+            "pass (224, 224), to resize the shorter side keeping the aspect ratio transform=Resize(224)"
+        )
+    return int(sides[0]), int(sides[1])

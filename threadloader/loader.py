@@ -202,8 +202,13 @@ class ThreadLoader:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1 (batches in flight per thread), got {prefetch}")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+        ):
+            # Random draws use the seed's low 64 bits: seed=2**64 would repeat seed=0's crops and flips.
+            raise ValueError(
+                f"seed must be an int from 0 to 2**64 - 1 (as torch.manual_seed's), or None, got {seed!r}"
+            )
         options = Options.of(locals())  # the options both front ends take, checked
         self._source = as_source(source)
         self.rank, self.world_size = resolve_shard(rank, world_size)

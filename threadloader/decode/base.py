@@ -27,6 +27,7 @@ docs/design.md ("Region decoding for random crops") says why.
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -43,6 +44,7 @@ __all__ = [
     "Region",
     "RegionOf",
     "StageRecorder",
+    "check_pixel_limit",
     "pixel_limit_error",
 ]
 
@@ -75,6 +77,20 @@ Encoded = bytes | bytearray | memoryview
 
 #: Default decompression-bomb guard: Pillow's own limit (about 89.5 million pixels, 9459 x 9459).
 DEFAULT_MAX_PIXELS = 89_478_485
+
+
+def check_pixel_limit(max_pixels: object) -> None:
+    """Raises unless ``max_pixels`` is a pixel count of at least 1 or ``None`` (no limit).
+
+    Checked where it is given: a wrong type met later, inside Pillow's format probing, made every
+    image read as "not a format Pillow reads".
+    """
+    if max_pixels is None:
+        return
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, numbers.Integral) or max_pixels < 1:
+        raise ValueError(
+            f"max_pixels must be an int of at least 1 (pixels), or None for no limit, got {max_pixels!r}"
+        )
 
 
 def pixel_limit_error(width: int, height: int, max_pixels: int | None) -> str | None:

@@ -10,6 +10,7 @@ dropped, 16-bit samples reduced to their high byte.
 from __future__ import annotations
 
 import io
+import numbers
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,13 +31,18 @@ from .base import (
     ImageDecoder,
     RegionOf,
     StageRecorder,
+    check_pixel_limit,
     pixel_limit_error,
 )
 
 __all__ = ["PillowDecoder", "decode_rgb", "header_size"]
 
 
-_SIXTEEN_BIT_GRAY = frozenset(["I;16", "I;16L", "I;16B", "I;16N", "I"])
+_SIXTEEN_BIT_GRAY = frozenset(["I;16", "I;16L", "I;16B", "I;16N"])
+# Pillow opens 16-bit gray PGM (and, before 10, PNG) as 32-bit "I": 16-bit samples there, as those
+# formats have no wider gray. A TIFF's "I" holds 32-bit or signed samples, which Pillow's own
+# conversion clips to 0-255: shifted as 16-bit ones, 0-255 values went black and negative ones white.
+_SIXTEEN_BIT_AS_I = frozenset(["PNG", "PPM"])
 
 # max_pixels is the one pixel limit, whatever Pillow's own. Pillow has no per-call limit: its check,
 # Image._decompression_bomb_check, reads the process-wide Image.MAX_IMAGE_PIXELS and is called by
@@ -129,7 +135,7 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
         # exif_transpose copies an image it does not turn: only call it for an orientation that turns.
         turned = image.getexif().get(_ORIENTATION, 1) in _TURNS
         oriented = _replacing(image, ImageOps.exif_transpose(image)) if turned else image
-        if oriented.mode in _SIXTEEN_BIT_GRAY:
+        if oriented.mode in _SIXTEEN_BIT_GRAY or (oriented.mode == "I" and image.format in _SIXTEEN_BIT_AS_I):
             gray = (np.asarray(oriented, dtype=np.uint32) >> 8).clip(0, 255).astype(np.uint8)
             return np.repeat(gray[..., None], 3, axis=2)
         rgb = oriented if oriented.mode == "RGB" else _replacing(oriented, oriented.convert("RGB"))
@@ -194,7 +200,7 @@ class PillowDecoder(ImageDecoder):
             while the consumer waits; the threads are started for the call and joined before it returns.
 
     Raises:
-        ValueError: If ``threads`` is not a positive int.
+        ValueError: If ``threads`` is not a positive int, or ``max_pixels`` neither one nor ``None``.
     """
 
     def __init__(
@@ -204,13 +210,14 @@ class PillowDecoder(ImageDecoder):
         device: torch.device | None = None,
         threads: int = 1,
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
             raise ValueError(
                 f"threads must be a positive int (1: decode in the calling thread), got {threads!r}"
             )
+        check_pixel_limit(max_pixels)
         self.device = torch.device("cpu") if device is None else device
-        self.threads = threads
-        self._max_pixels = max_pixels
+        self.threads: int = int(threads)
+        self._max_pixels: int | None = max_pixels
 
     def decode(
         self,
