@@ -199,7 +199,8 @@ def test_directory_as_str_and_nested_and_upper_case_extensions(tmp_path: Path) -
         path.write_bytes(blob)
     (root / "a" / "readme.txt").write_text("no")
     loader = ThreadLoader(str(root), batch_size=10)
-    order = [root / "a" / "x.bmp", root / "a" / "y.jpeg", root / "b" / "sub" / "a.png", root / "b" / "z.JPG"]
+    # torchvision's order: a folder's own files before its sub-folders'
+    order = [root / "a" / "x.bmp", root / "a" / "y.jpeg", root / "b" / "z.JPG", root / "b" / "sub" / "a.png"]
     assert [Path(p) for p, _ in loader.source.samples] == order
     ((images, targets),) = list(loader)
     assert targets.tolist() == [0, 0, 1, 1]

@@ -58,3 +58,22 @@ def test_a_local_file_with_double_colons_in_its_name_is_read_from_disk(
     assert targets.tolist() == [3] and images[0].permute(1, 2, 0).numpy().tolist() == pixels.tolist()
     assert is_url("simplecache::s3://bucket/key.jpg") and is_url("s3://bucket/key.jpg")
     assert not is_url("Foo::Bar.png") and not is_url("C::D/e.jpg")
+
+
+def test_image_folder_lists_nested_files_in_torchvisions_order(tmp_path: Path) -> None:
+    """Sorting whole paths put ``cat/a-x/y.jpg`` before ``cat/a.jpg``: sample i was another file than
+    torchvision's, which breaks saved index lists and splits. The reference is torchvision's
+    ``make_dataset``: ``sorted(os.walk(...))``, each folder's names sorted."""
+    from threadloader import ImageFolder
+
+    for name in ("cat/z.jpg", "cat/a.jpg", "cat/b/x.jpg", "cat/a-x/y.jpg", "cat/a-x/deep/w.png", "dog/c.jpg"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    reference = [
+        (os.path.join(root, name), target)
+        for target, cls in enumerate(["cat", "dog"])
+        for root, _, names in sorted(os.walk(tmp_path / cls, followlinks=True))
+        for name in sorted(names)
+    ]
+    assert ImageFolder(tmp_path).samples == reference
+    assert reference[:2] == [(str(tmp_path / "cat" / "a.jpg"), 0), (str(tmp_path / "cat" / "z.jpg"), 0)]

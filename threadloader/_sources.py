@@ -147,7 +147,9 @@ class ImageFolder:
         self.samples: list[tuple[str, int]] = []
         for name in self.classes:
             files = _image_files(os.path.join(self.root, name))
-            self.samples.extend((path, self.class_to_idx[name]) for path in sorted(files))
+            # torchvision's order: folders by path, each folder's own files before its sub-folders'
+            in_order = sorted(files, key=lambda path: (os.path.dirname(path), os.path.basename(path)))
+            self.samples.extend((path, self.class_to_idx[name]) for path in in_order)
         if not self.samples:
             raise FileNotFoundError(
                 f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(self.root)!r}"

@@ -1,7 +1,8 @@
 """Exceptions raised by threadloader, and the warnings it gives.
 
-Everything the library raises on purpose derives from :class:`ThreadLoaderError`, so a caller can tell
-a bad sample or a misuse of the loader from a bug anywhere else.
+The errors of the data and of the loader's state derive from :class:`ThreadLoaderError` (a bad sample or
+shard, a closed loader, a full queue), so a caller can tell them from a bug anywhere else. A bad
+argument is a ``ValueError`` or ``TypeError`` at construction, as in the standard library.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class ThreadLoaderError(RuntimeError):
-    """Base class of the errors that threadloader raises on purpose."""
+    """Base class of the errors of the data and the loader's state (samples, shards, closed, queue full)."""
 
 
 class SampleError(ThreadLoaderError):

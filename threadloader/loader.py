@@ -72,7 +72,8 @@ class ThreadLoader:
             for the same seed. With ``world_size > 1`` and ``shuffle``, pass it (the same on every rank).
         sampler: Yields sample indices (exclusive with ``shuffle``); ``set_epoch`` is forwarded to it.
             Taken as it is: not sharded across ranks (pass a ``DistributedSampler`` to shard it).
-        batch_sampler: Yields lists of indices (exclusive with the four options before it); not sharded.
+        batch_sampler: Yields lists of indices (exclusive with ``batch_size``, ``shuffle``, ``sampler`` and
+            ``drop_last``); not sharded.
         drop_last: Drop the last batch when it is smaller than ``batch_size``; with ``world_size > 1``
             also cut each rank's shard to ``len // world_size`` samples instead of padding it by
             repeating samples (both of ``DistributedSampler``'s and ``DataLoader``'s ``drop_last``).
@@ -83,8 +84,8 @@ class ThreadLoader:
         world_size: Number of shards; default: ``torch.distributed``'s world size when it is
             initialized, else 1.
         num_threads: Reader threads; default 2 on a GPU (decoding is serialized there and more threads
-            only contend for the GIL; see docs/benchmarks.md), the CPU count on
-            the CPU.
+            only contend for the GIL; see docs/benchmarks.md), the CPU count (at
+            most 32) on the CPU.
         prefetch: Decode groups in flight per thread, decoded or being decoded: the memory knob. At most
             ``num_threads * prefetch`` groups of up to ``decode_batch_size`` images are held at once.
         device: ``None`` picks ``"cuda"`` when a GPU and nvImageCodec are usable (``cuda:LOCAL_RANK``

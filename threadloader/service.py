@@ -241,7 +241,7 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         std: Per-channel standard deviation to divide by.
         channels_last: Results are views of ``channels_last`` batches (needs ``size``).
         num_threads: Worker threads, each gathering and decoding whole batches on its own CUDA stream;
-            default as for :class:`ThreadLoader` (2 on a GPU, the CPU count on the CPU).
+            default as for :class:`ThreadLoader` (2 on a GPU, the CPU count, at most 32, on the CPU).
         max_queue: Most requests waiting; the memory bound.
         when_full: What ``submit`` does when ``max_queue`` requests wait: ``"block"`` until there is
             room (or ``timeout``), ``"raise"`` :class:`QueueFullError` at once (shed load).
