@@ -74,6 +74,22 @@ def endless_batches(n: int, batch_size: int) -> Iterator[list[int]]:
         yield [(start + j) % n for j in range(batch_size)]
 
 
+class Wrapping:
+    """Indices ``0..n-1`` again and again, ``passes`` times: :func:`endless_batches`'s order as a sampler.
+
+    Sized (a loader counts its batches), and lazy: a loader takes its indices as it goes.
+    """
+
+    def __init__(self, n: int, passes: int = 100_000) -> None:
+        self.n, self.passes = n, passes
+
+    def __len__(self) -> int:
+        return self.n * self.passes
+
+    def __iter__(self) -> Iterator[int]:
+        return (i % self.n for i in range(len(self)))
+
+
 def augmentation(size: Size) -> Compose:
     """Training augmentation: RandomResizedCrop to ``size`` and a flip, threadloader's transforms."""
     return Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
@@ -363,9 +379,12 @@ def dali(root: Path, work: Work, *, workers: int) -> Batches:
 
     pipe = pipeline()
     pipe.build()
-    work.on_built()
+    # Built before the pause, as a script builds it in its set-up: the iterator's constructor runs the
+    # first batch and starts prefetching, as ThreadLoader's constructor starts its warm-up.
     # No reader_name: the file reader wraps around, so the iterator is endless like the other rows'.
-    for (outputs,) in DALIGenericIterator([pipe], ["images", "labels"]):
+    iterator = DALIGenericIterator([pipe], ["images", "labels"])
+    work.on_built()
+    for (outputs,) in iterator:
         yield outputs["images"], outputs["labels"].reshape(-1).long().to(work.device, non_blocking=True)
 
 
@@ -419,11 +438,16 @@ def threadloader(
     ``None``: the default.
     """
     module = import_optional("threadloader")
+    folder = module.ImageFolder(root)
     with (
         with_engine(engine),
         module.ThreadLoader(
-            root,
+            folder,
             **(options or {}),
+            # One long epoch over the set again and again, in the other rows' order: a new epoch drains
+            # and refills the readers, which the other rows, endless, never do (the small sets here
+            # would put one to six such restarts in every timed window).
+            sampler=Wrapping(len(folder)),
             batch_size=work.batch_size,
             drop_last=True,  # full batches only, as the other rows' endless batch samplers give
             num_threads=num_threads,

@@ -265,7 +265,9 @@ def run_row(spec: RowSpec, args: argparse.Namespace, argv: Sequence[str]) -> Tra
 
 def ratio(row: TrainingRow, rows: Sequence[TrainingRow]) -> float | None:
     """Median throughput over the fixed-input step's of the same kind."""
-    base = next((r for r in rows if r.spec.loader == "fixed_input" and r.spec.kind == row.spec.kind), None)
+    # Only a baseline that ran: a failed one's partial windows are no ceiling (ratios above 1 came of it).
+    bases = (r for r in rows if r.spec.loader == "fixed_input" and r.spec.kind == row.spec.kind)
+    base = next((r for r in bases if r.status == "ok"), None)
     ours, theirs = row.median(row.images_per_s), base.median(base.images_per_s) if base else None
     return ours / theirs if ours is not None and theirs else None
 

@@ -3,6 +3,7 @@ and ``--threadloader-options`` reaching ThreadLoader."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -185,3 +186,33 @@ def test_threadloader_rows_time_batches_past_the_cpu_start(started: list[int], k
     loader = _Starting(started)
     batches = loaders.past_the_cpu_start(loader, loader.batches(), batch_size=4)
     assert [next(batches) for _ in range(4)] == kept
+
+
+def test_threadloader_rows_cross_no_epoch_boundary_and_read_in_the_other_rows_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other rows are endless (a wrapping batch sampler, DALI's wrapping reader); each new epoch of
+    ThreadLoader drained and refilled its readers, several times in every timed window of the small
+    sets: a cost only ThreadLoader's rows paid."""
+    import numpy as np
+    from PIL import Image
+
+    from benchmarks import loaders
+    from threadloader import ThreadLoader
+
+    for target, cls in enumerate(["a", "b"]):
+        (tmp_path / cls).mkdir()
+        for i in range(3):
+            Image.fromarray(np.full((6, 6, 3), 40 * i + target, np.uint8)).save(tmp_path / cls / f"{i}.png")
+    passes = []
+    original = ThreadLoader.__iter__
+    monkeypatch.setattr(ThreadLoader, "__iter__", lambda self: passes.append(1) or original(self))
+    work = loaders.Work(size=(6, 6), batch_size=4, device="cpu")
+    batches = loaders.threadloader(tmp_path, work, num_threads=2)
+    targets = [next(batches)[1].tolist() for _ in range(6)]  # 24 images: four times over the 6
+    batches.close()
+    labels = [0, 0, 0, 1, 1, 1]  # the folder's order
+    assert targets == [
+        [labels[i] for i in batch] for batch in itertools.islice(loaders.endless_batches(6, 4), 6)
+    ]
+    assert passes == [1]

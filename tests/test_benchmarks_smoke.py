@@ -164,3 +164,14 @@ def test_quick_sources_run_reports_every_source(tmp_path: Path) -> None:
         assert ("index_s" in row) == source.startswith("tar"), (source, row)
     assert all(row["images"] == 3 * 16 for row in report["rows"])  # 3 timed batches of 16
     assert "| tar_memory |" in result.stdout
+
+
+def test_a_failed_fixed_input_row_gives_no_ratio() -> None:
+    """A baseline that failed after a window is no ceiling: rows beside it read 1.57x of it."""
+    from benchmarks.training import RowSpec, TrainingRow, ratio
+
+    loader = TrainingRow(RowSpec("eager", "threadloader", "resize"), images_per_s=[2350.0])
+    failed = TrainingRow(RowSpec("eager", "fixed_input"), status="failed", images_per_s=[1500.0])
+    ok = TrainingRow(RowSpec("eager", "fixed_input"), images_per_s=[2500.0])
+    assert ratio(loader, [failed, loader]) is None
+    assert ratio(loader, [failed, ok, loader]) == 2350.0 / 2500.0
