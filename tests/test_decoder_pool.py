@@ -6,6 +6,7 @@ threads call one Decoder at once, so the rule is checked where a breach is visib
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -195,7 +196,9 @@ def test_pools_of_different_configurations_are_apart() -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_bad_gpu_decoders_are_refused_on_any_device(bad: object) -> None:
-    with pytest.raises(ValueError, match=rf"gpu_decoders must be an int of at least 1, got {bad!r}"):
+    with pytest.raises(
+        ValueError, match=rf"gpu_decoders must be (an int|at least 1), got {re.escape(repr(bad))}"
+    ):
         ThreadLoader([b"x"], batch_size=1, device="cpu", gpu_decoders=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gpu_decoders"):
         BatchDecoder(device="cpu", gpu_decoders=bad)  # type: ignore[arg-type]

@@ -920,7 +920,13 @@ def test_invalid_options_raise_value_error(blobs: list[bytes], options: dict, me
 
 
 def test_numpy_integers_are_counts(blobs: list[bytes]) -> None:
-    counts = {"num_threads": np.int64(2), "decode_batch_size": np.int64(4), "max_pixels": np.int64(10**6)}
+    counts = {
+        "num_threads": np.int64(2),
+        "decode_batch_size": np.int64(4),
+        "max_pixels": np.int64(10**6),
+        "gpu_decoders": np.int64(2),
+        "decode_threads": np.int64(3),
+    }
     loader = ThreadLoader(blobs, batch_size=2, size=(8, 8), device="cpu", **counts)
     assert sum(len(images) for images, _ in loader) == len(blobs)
 

@@ -12,7 +12,6 @@ built.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_count
 from ._device import available_cpus
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder, check_pixel_limit
@@ -182,17 +182,6 @@ def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform
         f"transform must be a threadloader transform or a list of them, got {type(transform).__name__}; "
         "torchvision transforms draw from the global RNG, which is not reproducible across threads"
     )
-
-
-def check_count(name: str, value: object, *, optional: bool = True) -> None:
-    """Raises unless ``value`` is an integer of at least 1 (numpy's too), or ``None`` where ``optional``."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        kind = "an int or None" if optional else "an int"
-        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value!r}")
 
 
 def _normalized_by(chain: Transform | None) -> Normalize | None:

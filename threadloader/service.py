@@ -27,7 +27,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from ._options import DEFAULTS, Options, check_count
+from ._checks import check_count
+from ._options import DEFAULTS, Options
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
 from ._serving.engine import Engine, Runner, serve

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..._checks import check_count
 from ..._stats import StatsRecorder
 from ..base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, StageRecorder
 from . import _capi
@@ -95,17 +96,11 @@ def check_options(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    _check_count("gpu_decoders", gpu_decoders)
-    if decode_threads is not None:
-        _check_count("decode_threads", decode_threads)
-    _check_count("batch_size", batch_size)
+    check_count("gpu_decoders", gpu_decoders, optional=False)
+    check_count("decode_threads", decode_threads)
+    check_count("batch_size", batch_size, optional=False)
     if not isinstance(jpeg_fancy_upsampling, bool):
         raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
-
-
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int of at least 1, got {value!r}")
 
 
 #: Devices on which a decoder of this process has started nvImageCodec (its engine chosen and first
