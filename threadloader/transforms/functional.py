@@ -40,13 +40,14 @@ def resize(images: torch.Tensor, size: tuple[int, int], *, antialias: bool = Tru
 
     ``uint8`` images on the CPU go through torch's own ``uint8`` kernel (what torchvision uses there):
     several times faster than converting to float, and within 1 of the float result rounded. Other
-    integer images, and all on the GPU, are resized in float32 and rounded back.
+    integer images, a 1x1 output, and all on the GPU, are resized in float32 and rounded back.
     """
     if tuple(images.shape[-2:]) == tuple(size):
         return images
     shape = images.shape
     work = images.reshape(-1, *shape[-3:])
-    if work.dtype == torch.uint8 and work.device.type == "cpu":
+    # torch's uint8 kernel fails an internal assert for a 1x1 output of an image in (C, H, W) memory.
+    if work.dtype == torch.uint8 and work.device.type == "cpu" and tuple(size) != (1, 1):
         # Fastest on channels_last input, which a decoded HWC image permuted to CHW already is.
         out = F.interpolate(work, size=size, mode="bilinear", antialias=antialias, align_corners=False)
         return out.reshape(*shape[:-2], *size)
