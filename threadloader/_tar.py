@@ -15,10 +15,12 @@ the walk on open (docs/sources.md has it measured) and a little memory per sampl
 from __future__ import annotations
 
 import bisect
+import copy
 import glob
 import json
 import logging
 import os
+import posixpath
 import re
 import stat
 import tarfile
@@ -419,7 +421,8 @@ class TarShards:
             )
         self.index_seconds = time.perf_counter() - started
         if target == "auto":
-            has_cls = any(raw is not None for shard in self._index for raw in shard.targets)
+            # A .cls member counts though it cannot be read (truncated): its sample's error says why.
+            has_cls = any(raw is not None or shard.problems for shard in self._index for raw in shard.targets)
             target = "cls" if has_cls else None
         self.target: str | None = target
         self.target_key = target_key
@@ -451,8 +454,10 @@ class TarShards:
         number = bisect.bisect_right(self._starts, index) - 1
         shard, position = self._index[number], index - self._starts[number]
         key = shard.keys[position]
-        if position in shard.problems:
-            raise ShardError(f"{shard.url}: {shard.problems[position]}", shard=shard.url, member=key)
+        if self.target is not None and position in shard.problems:
+            raise ShardError(
+                f"{shard.url}: {shard.problems[position]}", shard=shard.url, member=f"{key}.{self.target}"
+            )
         image = shard.images[position]
         if image is None:
             raise ShardError(
@@ -573,6 +578,8 @@ def _index_shard(
         shard = _Shard(url, url, local)
     try:
         size = shard.storage.size(shard.path)
+        if not size:
+            raise ShardError(f"{url}: the shard is empty (0 bytes)", shard=url)
         with shard.storage.open(shard.path) as f:
             magic = f.read(6)
             for prefix, kind in _COMPRESSED.items():
@@ -596,41 +603,66 @@ def _index_shard(
     return shard
 
 
+class _Walk(tarfile.TarFile):
+    """tarfile stepping over a damaged header block by block, the first header (its constructor's) too.
+
+    ``ignore_zeros`` makes tarfile step over a damaged header itself instead of stopping there (which
+    would silently drop the rest of the shard), except a damaged header after a long name's (GNU or
+    PAX), which it raises for: this steps over that one. A read error at the shard's end is the last
+    member's data running past it (``cut`` says so), and ends the walk.
+    """
+
+    def __init__(self, f: IO[bytes], size: int) -> None:
+        self.shard_size = size
+        self.cut: str | None = None
+        super().__init__(fileobj=f, mode="r", ignore_zeros=True)
+
+    def next(self) -> tarfile.TarInfo | None:
+        while True:
+            try:
+                return super().next()
+            except tarfile.ReadError as exc:
+                if self.offset >= self.shard_size:
+                    self.cut = str(exc)
+                    return None
+                self.offset += tarfile.BLOCKSIZE
+
+
 def _walk(
     f: IO[bytes], shard: _Shard, size: int, target: str | None
 ) -> tuple[list[tarfile.TarInfo], dict[str, bytes | str]]:
     """Reads every header, the target members' contents (as they go by), and checks the gaps.
 
-    ``ignore_zeros`` makes tarfile step over a damaged header block by block instead of stopping
-    there (which would silently drop the rest of the shard), and so does this loop where tarfile does
-    not: a damaged header after a long name's (GNU or PAX). The gaps stepped over are checked here:
-    zero blocks are padding, pax global headers are headers, anything else is a damaged header,
-    recorded in ``shard.damage``. A sparse member's bytes are not stored in one run: it is left out,
-    and said so there.
+    The gaps :class:`_Walk` stepped over are checked here: zero blocks are padding, pax global headers
+    are headers, anything else is a damaged header, recorded in ``shard.damage``. So is a shard without
+    its end-of-archive blocks, which tar writers always write: a shard cut between two members looks
+    whole to tarfile. A sparse member's bytes are not stored in one run: it is left out, and said so.
+    A link (hard or symbolic) to a member stored before it is that member's bytes under its own name,
+    as GNU tar stores a second copy of a file; any other link is left out, and said so.
 
     Returns:
         The regular-file members, and per target member name its bytes or why it cannot be read.
     """
     members: list[tarfile.TarInfo] = []
+    regular: dict[str, tarfile.TarInfo] = {}
     targets: dict[str, bytes | str] = {}
     gaps: list[tuple[int, int]] = []
     expected = 0  # where the next header should start
-    with tarfile.open(fileobj=f, mode="r:", ignore_zeros=True) as archive:
-        while True:
-            try:
-                member = archive.next()
-            except tarfile.ReadError as exc:
-                if archive.offset >= size:  # member data running past the end: the last one is truncated
-                    shard.damage.append(f"truncated at byte {size} ({exc})")
-                    break
-                archive.offset += tarfile.BLOCKSIZE  # a damaged header after a long name's: step over
-                continue
-            if member is None:
-                break
+    with _Walk(f, size) as archive:
+        while (member := archive.next()) is not None:
             if member.offset > expected:
                 gaps.append((expected, member.offset))
             expected = archive.offset  # past its data, as tarfile found it (a sparse member's is shorter)
-            if not member.isreg():
+            if member.issym() or member.islnk():
+                linked = _linked(member, regular)
+                if linked is None:
+                    shard.damage.append(
+                        f"member {member.name!r} is a link to {member.linkname!r}, which the shard does not "
+                        "hold before it: left out"
+                    )
+                    continue
+                member = linked
+            elif not member.isreg():
                 continue
             if member.sparse is not None:
                 shard.damage.append(
@@ -639,9 +671,17 @@ def _walk(
                 )
                 continue
             members.append(member)
+            regular[member.name] = member
             parts = _split_name(member.name)
             if target is not None and parts is not None and parts[1] == target:
                 targets[member.name] = _read_target(archive, member, size)
+    if archive.cut is not None and members and members[-1].offset_data + members[-1].size > size:
+        shard.damage.append(f"truncated at byte {size} ({archive.cut})")
+    elif archive.cut is not None or expected + tarfile.BLOCKSIZE > size:
+        shard.damage.append(
+            f"no end-of-archive blocks after byte {min(expected, size)}: the shard may be cut short there, "
+            "its later members lost"
+        )
     if expected < size:
         gaps.append((expected, size))
     for start, end in gaps:
@@ -651,6 +691,19 @@ def _walk(
                 f"bytes {start}-{end} are not tar headers: a damaged or cut-off header, its member lost"
             )
     return members, targets
+
+
+def _linked(link: tarfile.TarInfo, regular: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
+    """A link as the regular member it names, under the link's own name; ``None`` if none came before."""
+    name = link.linkname
+    if link.issym():
+        name = posixpath.normpath(posixpath.join(posixpath.dirname(link.name), name))
+    found = regular.get(name)
+    if found is None:
+        return None
+    member = copy.copy(found)
+    member.name = link.name
+    return member
 
 
 def _past_global_headers(f: IO[bytes], start: int, end: int) -> int:
@@ -700,13 +753,24 @@ def _group(
     images: tuple[str, ...],
     target: str | None,
 ) -> None:
-    """Groups members by key into samples: each key's image (first extension in ``images``) and target."""
-    by_key: dict[str, dict[str, tarfile.TarInfo]] = {}
+    """Groups members by key into samples: each key's image (first extension in ``images``) and target.
+
+    A key's member with an extension its sample has already starts another sample of that key: two
+    archives concatenated, each numbered from 0, are both archives' samples.
+    """
+    samples: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
+    latest: dict[str, dict[str, tarfile.TarInfo]] = {}  # per key, the members of its latest sample
     for member in members:
         parts = _split_name(member.name)
-        if parts is not None:
-            by_key.setdefault(parts[0], {})[parts[1]] = member
-    for key, found in by_key.items():
+        if parts is None:
+            continue
+        key, ext = parts
+        found = latest.get(key)
+        if found is None or ext in found:
+            found = latest[key] = {}
+            samples.append((key, found))
+        found[ext] = member
+    for key, found in samples:
         position = len(shard.keys)
         shard.keys.append(key)
         image = next((found[ext] for ext in images if ext in found), None)
