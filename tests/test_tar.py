@@ -723,3 +723,139 @@ def test_a_source_of_shards_pickles_without_its_open_files(shards: Path, blobs: 
     assert source[0][0].read() == blobs[0]  # a file open in this thread
     copy = pickle.loads(pickle.dumps(source))
     assert [copy[i][0].read() for i in range(N)] == blobs
+
+
+# ------------------------------------------------------------------------- links, repeats and cuts
+
+
+def write_members(
+    path: Path, members: list[tuple[str, bytes | tuple[bytes, str]]], fmt: int = tarfile.USTAR_FORMAT
+) -> Path:
+    """Members in order: ``(name, data)`` a regular file, ``(name, (LNKTYPE or SYMTYPE, target))`` a link."""
+    with tarfile.open(path, "w", format=fmt) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(data, tuple):
+                info.type, info.linkname = data
+                archive.addfile(info)
+            else:
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_links_to_earlier_members_are_those_members(tmp_path: Path, blobs: list[bytes]) -> None:
+    """GNU tar stores the second copy of a hard-linked file as a link: its sample was left without an
+    image, and nothing said why."""
+    path = write_members(
+        tmp_path / "links.tar",
+        [
+            ("a/s0.jpg", blobs[0]),
+            ("a/s0.cls", b"0"),
+            ("a/s1.jpg", (tarfile.LNKTYPE, "a/s0.jpg")),  # a hard link names the member's path
+            ("a/s1.cls", b"1"),
+            ("a/s2.jpg", (tarfile.SYMTYPE, "s0.jpg")),  # a symbolic one, relative to its folder
+            ("a/s2.cls", (tarfile.SYMTYPE, "../a/s1.cls")),
+            ("a/s3.jpg", (tarfile.SYMTYPE, "/elsewhere/x.jpg")),  # not in the shard
+            ("a/s3.cls", b"3"),
+        ],
+    )
+    source = TarShards(path)
+    assert len(source) == 4 and len(source.damaged) == 1
+    assert "'a/s3.jpg' is a link to '/elsewhere/x.jpg'" in source.damaged[0]
+    images, targets = [], []
+    for item in ThreadLoader(source, batch_size=1, on_error="skip"):
+        images += item[0]
+        targets += item[1].tolist()
+    assert targets == [0, 1, 1]
+    check_pixels(images, blobs, [0, 0, 0])
+    with pytest.raises(ShardError, match=r"'a/s3' has no image member .*'a/s3\.jpg' is a link"):
+        source[3]
+
+
+def test_a_key_repeated_with_its_extension_starts_another_sample(tmp_path: Path, blobs: list[bytes]) -> None:
+    """Two archives concatenated, each numbered from 0: the second's members replaced the first's."""
+    first = write_shard(
+        tmp_path / "a.tar", [(f"s{i}", {"jpg": blobs[i], "cls": f"{i}".encode()}) for i in range(3)]
+    )
+    second = write_shard(
+        tmp_path / "b.tar", [(f"s{i}", {"jpg": blobs[3 + i], "cls": f"{3 + i}".encode()}) for i in range(3)]
+    )
+    both = tmp_path / "both.tar"
+    both.write_bytes(first.read_bytes() + second.read_bytes())
+    source = TarShards(both)
+    assert len(source) == 6 and source.damaged == []
+    images, targets = [], []
+    for batch, batch_targets in ThreadLoader(source, batch_size=4):
+        images += batch
+        targets += batch_targets.tolist()
+    assert targets == [0, 1, 2, 3, 4, 5]
+    check_pixels(images, blobs, targets)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+def test_a_damaged_first_header_after_a_long_name_loses_only_its_member(
+    tmp_path: Path, blobs: list[bytes], fmt: int
+) -> None:
+    """tarfile reads the first header in its constructor, where the walk did not step over damage: the
+    whole shard failed to index."""
+    folder = "train/" + "x" * 110 + "/"
+    members = [(f"{folder}s{i}.{ext}", data) for i in range(3) for ext, data in sample(blobs, i)[1].items()]
+    path = write_members(tmp_path / "long.tar", members, fmt)
+    _, data = member_offset(path, f"{folder}s0.jpg")
+    with open(path, "r+b") as f:  # the checksum of the header after the long name's
+        f.seek(data - tarfile.BLOCKSIZE + 148)
+        f.write(b"garbage!")
+    source = TarShards(path)
+    assert len(source) == 3 and len(source.damaged) == 1 and "not tar headers" in source.damaged[0]
+    skipping = ThreadLoader(source, batch_size=3, on_error="skip")
+    assert [t for _, ts in skipping for t in ts.tolist()] == [1, 2]
+
+
+def test_a_shard_cut_between_members_says_it_may_be_cut(tmp_path: Path, blobs: list[bytes]) -> None:
+    """A cut at a member's header looks like the archive's end to tarfile: the members after it were
+    lost and nothing said so."""
+    path = write_shard(
+        tmp_path / "cut.tar", [(f"s{i}", {"jpg": blobs[i], "cls": f"{i}".encode()}) for i in range(4)]
+    )
+    header, _ = member_offset(path, "s1.cls")
+    with open(path, "r+b") as f:
+        f.truncate(header)
+    source = TarShards(path)
+    assert len(source) == 2
+    assert len(source.damaged) == 1 and f"no end-of-archive blocks after byte {header}" in source.damaged[0]
+    with pytest.raises(
+        ShardError, match=r"'s1' has no target member .*the shard is damaged: no end-of-archive"
+    ):
+        source[1]
+
+
+def test_a_shard_missing_only_its_end_blocks_reads_whole(tmp_path: Path, blobs: list[bytes]) -> None:
+    path = write_shard(
+        tmp_path / "end.tar", [(f"s{i}", {"cls": f"{i}".encode(), "jpg": blobs[i]}) for i in range(2)]
+    )
+    _, data = member_offset(path, "s1.jpg")
+    with open(path, "r+b") as f:  # the last member's data whole; its padding and the end blocks gone
+        f.truncate(data + len(blobs[1]))
+    source = TarShards(path)
+    assert len(source.damaged) == 1 and "truncated" not in source.damaged[0]
+    assert "no end-of-archive blocks" in source.damaged[0]
+    images, targets = next(iter(ThreadLoader(source, batch_size=2)))
+    assert targets.tolist() == [0, 1]
+    check_pixels(images, blobs, [0, 1])
+
+
+def test_auto_target_counts_a_cut_cls_member(tmp_path: Path, blobs: list[bytes]) -> None:
+    """The only .cls member, cut by a truncation: "auto" resolved to no target, yet the sample still
+    failed for its target."""
+    path = write_shard(
+        tmp_path / "cut.tar", [("s0", {"jpg": blobs[0]}), ("s1", {"jpg": blobs[1], "cls": b"1" * 700})]
+    )
+    _, data = member_offset(path, "s1.cls")
+    with open(path, "r+b") as f:
+        f.truncate(data + 100)
+    source = TarShards(path)
+    assert source.target == "cls"
+    with pytest.raises(ShardError, match=r"target member 's1\.cls' is truncated") as info:
+        source[1]
+    assert info.value.member == "s1.cls"

@@ -630,7 +630,7 @@ class _Walk(tarfile.TarFile):
 
 def _walk(
     f: IO[bytes], shard: _Shard, size: int, target: str | None
-) -> tuple[list[tarfile.TarInfo], dict[str, bytes | str]]:
+) -> tuple[list[tarfile.TarInfo], dict[int, bytes | str]]:
     """Reads every header, the target members' contents (as they go by), and checks the gaps.
 
     The gaps :class:`_Walk` stepped over are checked here: zero blocks are padding, pax global headers
@@ -641,11 +641,12 @@ def _walk(
     as GNU tar stores a second copy of a file; any other link is left out, and said so.
 
     Returns:
-        The regular-file members, and per target member name its bytes or why it cannot be read.
+        The regular-file members, and per target member (by its data's offset: names repeat) its bytes or
+        why it cannot be read.
     """
     members: list[tarfile.TarInfo] = []
     regular: dict[str, tarfile.TarInfo] = {}
-    targets: dict[str, bytes | str] = {}
+    targets: dict[int, bytes | str] = {}
     gaps: list[tuple[int, int]] = []
     expected = 0  # where the next header should start
     with _Walk(f, size) as archive:
@@ -674,7 +675,7 @@ def _walk(
             regular[member.name] = member
             parts = _split_name(member.name)
             if target is not None and parts is not None and parts[1] == target:
-                targets[member.name] = _read_target(archive, member, size)
+                targets[member.offset_data] = _read_target(archive, member, size)
     if archive.cut is not None and members and members[-1].offset_data + members[-1].size > size:
         shard.damage.append(f"truncated at byte {size} ({archive.cut})")
     elif archive.cut is not None or expected + tarfile.BLOCKSIZE > size:
@@ -749,7 +750,7 @@ def _read_target(archive: tarfile.TarFile, member: tarfile.TarInfo, size: int) -
 def _group(
     shard: _Shard,
     members: list[tarfile.TarInfo],
-    targets: dict[str, bytes | str],
+    targets: dict[int, bytes | str],
     images: tuple[str, ...],
     target: str | None,
 ) -> None:
@@ -775,7 +776,7 @@ def _group(
         shard.keys.append(key)
         image = next((found[ext] for ext in images if ext in found), None)
         shard.images.append(None if image is None else (image.name, image.offset_data, image.size))
-        raw = targets.get(found[target].name) if target is not None and target in found else None
+        raw = targets.get(found[target].offset_data) if target is not None and target in found else None
         if isinstance(raw, str):
             shard.problems[position] = raw
             raw = None
