@@ -723,15 +723,17 @@ def test_collate_fn_errors_are_raised_in_the_loop_at_their_batch(blobs: list[byt
             raise ValueError("no sample 4 here")
         return torch.tensor(targets)
 
-    loader = ThreadLoader(
-        [(blobs[i], i) for i in range(8)], batch_size=2, num_threads=2, collate_fn=refuse_sample_4
-    )
-    received = []
-    with pytest.raises(ValueError, match="no sample 4 here"):
-        for _, targets in loader:
-            received.append(targets.tolist())
-    assert received == [[0, 1], [2, 3]]
-    loader.close()
+    source = [(blobs[i], i) for i in range(8)]
+    # A batch_sampler's loader decodes a batch at a time on the CPU too: it took the default batch
+    # size's 32 images a call, so the error came at the group's first batch, before [0, 1] and [2, 3].
+    for order in ({"batch_size": 2}, {"batch_sampler": [[0, 1], [2, 3], [4, 5], [6, 7]]}):
+        loader = ThreadLoader(source, num_threads=2, collate_fn=refuse_sample_4, device="cpu", **order)
+        received = []
+        with pytest.raises(ValueError, match="no sample 4 here"):
+            for _, targets in loader:
+                received.append(targets.tolist())
+        assert received == [[0, 1], [2, 3]]
+        loader.close()
 
 
 def test_collate_fn_must_be_callable(blobs: list[bytes]) -> None:

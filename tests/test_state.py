@@ -256,14 +256,48 @@ def test_a_sampler_epoch_the_user_sets_is_the_passs_epoch_unless_the_loader_is_t
     sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5)
     options: dict[str, Any] = {"shuffle": False, "sampler": sampler, "transform": None}
     with make(samples, **options) as loader:
-        for epoch in (3, 4):
+        for epoch in (3, 4, 4):  # the same epoch again is that epoch again (it changes no value)
             sampler.set_epoch(epoch)
             assert indices(loader) == order(epoch)
-        assert indices(loader) == order(5)  # counting on from it
+        assert indices(loader) == order(4)  # no call: the sampler's epoch, as DataLoader iterates it
         sampler.set_epoch(9)
-        loader.set_epoch(7)  # told after: the loader's word stands
+        loader.set_epoch(7)  # the loader's word since the last pass stands
         assert indices(loader) == order(7)
+        assert indices(loader) == order(8)  # and the loader counts on until the next sampler.set_epoch
+        sampler.set_epoch(2)
+        assert indices(loader) == order(2)
     assert order(3) != order(0)
+
+
+def test_a_sampler_epoch_set_before_the_loader_is_built_is_the_first_passs(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """A loop that builds a loader per epoch after ``sampler.set_epoch(epoch)`` got epoch 0's order
+    every time: the epoch was there before the loader, so it did not look set by the user."""
+    from torch.utils.data import DistributedSampler
+
+    def order(epoch: int) -> list[int]:
+        reference = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5)
+        reference.set_epoch(epoch)
+        return list(reference)
+
+    sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5)
+    for epoch in (0, 1, 2):
+        sampler.set_epoch(epoch)
+        with make(samples, shuffle=False, sampler=sampler, transform=None) as loader:
+            assert [index for _, targets in take(loader) for index in targets] == order(epoch)
+    assert order(1) != order(0)
+
+
+def test_a_shuffle_seed_near_two_to_the_64_wraps_as_epochs_go_on(samples: list[tuple[bytes, int]]) -> None:
+    """Seeds go up to 2**64 - 1; epoch 1 of that one raised (its generator seed overflowed)."""
+
+    def order(seed: int) -> list[int]:
+        return torch.randperm(N, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    with make(samples, shuffle=True, seed=2**64 - 1, transform=None) as loader:
+        epochs = [[index for _, targets in take(loader) for index in targets] for _ in range(2)]
+    assert epochs == [order(2**64 - 1), order(0)]
 
 
 def test_seed_none_takes_the_state_seed(samples: list[tuple[bytes, int]]) -> None:

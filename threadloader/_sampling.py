@@ -60,7 +60,12 @@ class BatchPlan:
         self._drop_last = drop_last
         self._rank = rank
         self._world_size = world_size
-        self._given_epochs = self._sampler_epochs()  # what the samplers' epochs are unless someone sets them
+        # The samplers' epochs as the plan last left them: another value is the user's set_epoch. A
+        # sampler's own 0 is no call of the user's; any other epoch it comes with is one.
+        self._given_epochs: tuple[int | None, int | None] = (0, 0)
+        # Whether the user sets the samplers' epochs: from then on each pass is the sampler's epoch, as
+        # DataLoader leaves it (a call that repeats the last epoch changes no value).
+        self._epochs_by_user = False
 
     def __len__(self) -> int:
         if self._batch_sampler is not None:
@@ -91,15 +96,26 @@ class BatchPlan:
                 obj.set_epoch(epoch)  # type: ignore[union-attr]
         self._given_epochs = self._sampler_epochs()
 
-    def epoch_set_on_the_sampler(self) -> int | None:
-        """An epoch the user gave a sampler directly since :meth:`set_epoch` last did, else ``None``.
+    def epoch_set_on_the_sampler(self, *, overridden: bool = False) -> int | None:
+        """The epoch the user gives a sampler directly (``sampler.set_epoch(e)``), else ``None``.
 
         DataLoader leaves a sampler's epoch to the user's ``sampler.set_epoch(e)``; a loop written for
         it, resumed from a checkpoint of the model only, would otherwise get the loader's own count.
+        Seen once (a sampler's epoch that the plan did not set, or other than 0 when the plan was
+        made), every later pass takes the sampler's epoch, the same one again included, until a pass
+        whose epoch the loader was given (``overridden``: its ``set_epoch``, a loaded state).
         """
+        if overridden:
+            self._epochs_by_user = False
+            return None
         now = self._sampler_epochs()
-        changed = [epoch for epoch, given in zip(now, self._given_epochs, strict=True) if epoch != given]
-        return next((epoch for epoch in changed if epoch is not None), None)
+        by_user = [
+            epoch
+            for epoch, given in zip(now, self._given_epochs, strict=True)
+            if epoch is not None and (self._epochs_by_user or epoch != given)
+        ]
+        self._epochs_by_user = self._epochs_by_user or bool(by_user)
+        return by_user[0] if by_user else None
 
     def _sampler_epochs(self) -> tuple[int | None, int | None]:
         """The ``epoch`` attribute of each sampler that has an integer one (``DistributedSampler``'s)."""
@@ -122,7 +138,7 @@ class BatchPlan:
     def _indices(self, epoch: int) -> list[int]:
         if self._shuffle:
             # DistributedSampler's permutation for the same seed: every rank draws the same one.
-            generator = torch.Generator().manual_seed(self.seed + epoch)
+            generator = torch.Generator().manual_seed((self.seed + epoch) % 2**64)  # seeds go up to 2**64 - 1
             order = torch.randperm(self._num_samples, generator=generator).tolist()
         else:
             order = list(range(self._num_samples))

@@ -228,9 +228,10 @@ class ThreadLoader:
             )
         self._seed_given = seed is not None
         seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+        plan_batch_size = _plan_batch_size(batch_size, batch_sampler)
         self._plan = BatchPlan(
             num_samples=len(self._source),
-            batch_size=_plan_batch_size(batch_size, batch_sampler),
+            batch_size=plan_batch_size,
             shuffle=shuffle,
             seed=seed,
             sampler=sampler,
@@ -242,7 +243,7 @@ class ThreadLoader:
         self.prefetch = prefetch
         self._stats = StatsRecorder()
         self._runtime = runtime = Runtime(
-            options, batch_size=batch_size or 1, decode_batch_size=decode_batch_size
+            options, batch_size=plan_batch_size or 1, decode_batch_size=decode_batch_size
         )
         self.device, self.num_threads = runtime.device, runtime.num_threads
         self.decode_batch_size = runtime.decode_batch_size
@@ -276,14 +277,15 @@ class ThreadLoader:
     def __iter__(self) -> Iterator[tuple[Images, Any]]:
         """Starts an epoch: the one given by :meth:`set_epoch` or a loaded state, else the last one + 1.
 
-        A ``sampler.set_epoch(e)`` of the user's since the last pass (as DataLoader's users write) gives
-        the epoch too, unless :meth:`set_epoch` was called after it.
+        A ``sampler.set_epoch(e)`` of the user's (as DataLoader's users write) gives the epoch too,
+        unless :meth:`set_epoch` was called since the last pass.
         """
         with self._lock:
             if self._closed:
                 raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
             epoch, start = self._next_epoch, self._resume
-            if not self._epoch_given and (on_sampler := self._plan.epoch_set_on_the_sampler()) is not None:
+            on_sampler = self._plan.epoch_set_on_the_sampler(overridden=self._epoch_given)
+            if on_sampler is not None:
                 epoch = on_sampler  # the user's sampler.set_epoch(e), as DataLoader leaves it
             self._next_epoch, self._epoch_given = epoch + 1, False
             self._resume = 0
