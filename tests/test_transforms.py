@@ -327,6 +327,92 @@ def test_sizes_are_read_as_torchvision_reads_them() -> None:
     assert CenterCrop([20])(image).shape[-2:] == (20, 20)
     assert RandomResizedCrop([20]).output_size((40, 60)) == (20, 20)
     assert Resize([20])(image).shape[-2:] == (20, 30)  # the shorter side
-    for transform in (CenterCrop, RandomResizedCrop):
-        with pytest.raises(ValueError, match=r"sequence of 1 or 2 ints .* got \(20, 30, 99\)"):
+    assert CenterCrop(np.int64(20)).size == (20, 20)
+    for transform in (CenterCrop, RandomResizedCrop, Resize):
+        with pytest.raises(ValueError, match=r"sequence of one or two of them .* got \(20, 30, 99\)"):
             transform((20, 30, 99))
+
+
+@pytest.mark.parametrize("size", [0, -3, (10, 0), (-4, 4), 224.0, (10.0, 10), True, "224", None])
+@pytest.mark.parametrize("transform", [CenterCrop, RandomResizedCrop, Resize])
+def test_sizes_that_are_no_image_sizes_are_refused_naming_the_transform(
+    transform: type, size: object
+) -> None:
+    """They were taken, and failed later: at the output's size= (which the user never passed), at the
+    first batch with torch's error, or with "object of type 'float' has no len()"."""
+    with pytest.raises(ValueError, match=rf"^{transform.__name__}: size"):
+        transform(size)
+
+
+@pytest.mark.parametrize("max_size", [20, 10, 0, 30.5, True])
+def test_a_max_size_not_above_the_size_is_refused(max_size: object) -> None:
+    with pytest.raises(ValueError, match=r"Resize: max_size must be an int larger than size \(20\)"):
+        Resize(20, max_size=max_size)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_size only with an int size"):
+        Resize((20, 30), max_size=40)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_precision_images_scale_back_to_their_bytes(half: torch.dtype) -> None:
+    """1.0 times 255.999 in half precision rounds to 256, which wrapped to 0: white turned black."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.array([[[255, 254, 128], [0, 1, 200]]], dtype=np.uint8)  # (1, 2, 3): two pixels
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    loader = ThreadLoader(
+        [buffer.getvalue()], batch_size=1, device="cpu", transform=ToDtype(half, scale=True)
+    )
+    ((image,), _), *rest = loader  # without a size, a list of each image
+    assert image.dtype == torch.uint8 and not rest
+    assert torch.equal(image.permute(1, 2, 0), torch.from_numpy(pixels))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_a_resize_one_pixel_wide_keeps_the_columns_profile(dtype: torch.dtype) -> None:
+    """torch's antialiased CPU kernel repeated the first row of a float output one pixel wide. Rows
+    of one value each: every column of the resize is the profile, which the 2-wide resize (a size the
+    kernel gets right) gives."""
+    column = torch.linspace(0, 1, 40, dtype=torch.float64)
+    images = column.view(1, 1, 40, 1).expand(2, 3, 40, 30).to(dtype)
+    profile = torch.nn.functional.interpolate(
+        images.float(), size=(4, 2), mode="bilinear", antialias=True, align_corners=False
+    )[..., :1]
+    resized = Resize((4, 1))(images)
+    assert resized.shape == (2, 3, 4, 1) and resized.dtype == dtype
+    torch.testing.assert_close(
+        resized.float(), profile, rtol=0, atol=2e-3 if dtype == torch.float16 else 1e-6
+    )
+    assert resized[0, 0, :, 0].diff().min() > 0.1  # not one row repeated
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "values", "expected"),
+    [  # each computed here as torchvision does: value bits shifted, through int32
+        (torch.uint8, torch.uint16, [0, 1, 128, 255], [0, 256, 32768, 65280]),
+        (torch.uint16, torch.uint8, [0, 256, 32768, 65535], [0, 1, 128, 255]),
+        (torch.uint16, torch.int16, [0, 256, 32768, 65535], [0, 128, 16384, 32767]),
+        (torch.int16, torch.uint16, [0, 128, 16384, 32767], [0, 256, 32768, 65534]),
+    ],
+)
+def test_integer_types_torch_cannot_shift_convert_by_their_value_bits(
+    source: torch.dtype, target: torch.dtype, values: list[int], expected: list[int]
+) -> None:
+    """uint16 raised torch's NotImplementedError ("lshift_cpu" not implemented for 'UInt16')."""
+    out = ToDtype(target, scale=True)(torch.tensor(values, dtype=torch.int64).to(source).view(1, 1, 1, -1))
+    assert out.dtype == target
+    assert out.flatten().to(torch.int64).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [(torch.float32, torch.int32), (torch.float32, torch.int64), (torch.float64, torch.int64)],
+)
+def test_float_to_wide_integers_is_refused_as_torchvision_refuses_it(
+    source: torch.dtype, target: torch.dtype
+) -> None:
+    """1.0 came out as -2147483648."""
+    with pytest.raises(RuntimeError, match="cannot be performed safely"):
+        ToDtype(target, scale=True)(torch.ones(1, 1, 1, 2, dtype=source))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,13 +18,25 @@ from .functional import Images
 __all__ = ["CenterCrop", "RandomHorizontalFlip", "RandomResizedCrop", "Resize"]
 
 
-def _crop_size(size: int | Sequence[int]) -> tuple[int, int]:
-    """A crop's ``(H, W)`` from an int or a sequence of one (square) or two, as torchvision reads it."""
-    if isinstance(size, int):
-        return size, size
-    if isinstance(size, Sequence) and len(size) in (1, 2):
-        return int(size[0]), int(size[-1])
-    raise ValueError(f"size must be an int or a sequence of 1 or 2 ints (height, width), got {size!r}")
+def _sides(size: object, transform: str) -> tuple[int, int]:
+    """``(H, W)`` from an int or a sequence of one (square) or two, as torchvision reads it; each >= 1."""
+    sides = [size] if isinstance(size, numbers.Integral) else size
+    if (
+        isinstance(size, bool)
+        or not isinstance(sides, Sequence)
+        or isinstance(sides, str)
+        or len(sides) not in (1, 2)
+        or not all(_is_side(side) for side in sides)
+    ):
+        raise ValueError(
+            f"{transform}: size must be an int of at least 1, or a sequence of one or two of them "
+            f"(height, width), got {size!r}"
+        )
+    return int(sides[0]), int(sides[-1])
+
+
+def _is_side(side: object) -> bool:
+    return isinstance(side, numbers.Integral) and not isinstance(side, bool) and side >= 1
 
 
 class Resize(Transform):
@@ -38,23 +51,26 @@ class Resize(Transform):
     def __init__(
         self, size: int | Sequence[int], *, max_size: int | None = None, antialias: bool = True
     ) -> None:
-        if not isinstance(size, int) and isinstance(size, Sequence) and len(size) == 1:
-            size = int(size[0])  # torchvision reads a sequence of one as the shorter side
-        self.size = size
+        if size is None:
+            raise ValueError(
+                "Resize: size=None (the longer side to max_size) is not supported; pass the shorter "
+                "side as an int, with max_size to cap the longer one"
+            )
+        height, width = _sides(size, "Resize")
+        # torchvision reads an int, or a sequence of one, as the shorter side.
+        shorter = isinstance(size, numbers.Integral) or len(size) == 1  # type: ignore[arg-type]
+        self.size: int | tuple[int, int] = height if shorter else (height, width)
         self.max_size = max_size
         self.antialias = antialias
-        if isinstance(size, int):
-            if max_size is not None and max_size <= size:
-                raise ValueError(f"max_size ({max_size}) must be larger than size ({size})")
-        elif len(size) != 2 or max_size is not None:
-            raise ValueError(
-                "size must be an int (shorter side) or (height, width); max_size only with an int"
-            )
+        if max_size is not None and not shorter:
+            raise ValueError(f"Resize: max_size only with an int size (the shorter side), got size={size!r}")
+        if max_size is not None and (not _is_side(max_size) or max_size <= height):
+            raise ValueError(f"Resize: max_size must be an int larger than size ({height}), got {max_size!r}")
 
     def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
         """torchvision's rule for the resized size."""
         if not isinstance(self.size, int):
-            return (int(self.size[0]), int(self.size[1]))
+            return self.size
         if size is None:
             return None
         height, width = size
@@ -86,7 +102,7 @@ class CenterCrop(Transform):
     """Crops the center ``(H, W)`` (an int: square), padding with zeros where the image is smaller."""
 
     def __init__(self, size: int | Sequence[int]) -> None:
-        self.size = _crop_size(size)
+        self.size = _sides(size, "CenterCrop")
 
     def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
         """Always the crop size."""
@@ -120,7 +136,7 @@ class RandomResizedCrop(Transform):
         ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
         antialias: bool = True,
     ) -> None:
-        self.size = _crop_size(size)
+        self.size = _sides(size, "RandomResizedCrop")
         if scale[0] > scale[1] or ratio[0] > ratio[1]:
             raise ValueError(f"scale and ratio must be (min, max), got {scale} and {ratio}")
         self.scale = scale
@@ -169,7 +185,10 @@ class RandomResizedCrop(Transform):
         return params, (0, 0, height, width)
 
     def __repr__(self) -> str:
-        return f"RandomResizedCrop({self.size!r}, scale={self.scale}, ratio={self.ratio})"
+        return (
+            f"RandomResizedCrop({self.size!r}, scale={self.scale}, ratio={self.ratio}, "
+            f"antialias={self.antialias})"
+        )
 
 
 class RandomHorizontalFlip(Transform):

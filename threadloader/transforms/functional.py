@@ -54,7 +54,14 @@ def resize(images: torch.Tensor, size: tuple[int, int], *, antialias: bool = Tru
     # torch's CPU kernel has no half precision: those resize in float32, as torchvision's do.
     half_on_cpu = work.device.type == "cpu" and work.dtype in (torch.float16, torch.bfloat16)
     floating = work if work.is_floating_point() and not half_on_cpu else work.float()
-    out = F.interpolate(floating, size=size, mode="bilinear", antialias=antialias, align_corners=False)
+    if antialias and floating.device.type == "cpu" and size[1] == 1 and size[0] > 1:
+        # torch's CPU kernel repeats the first row of an antialiased output one pixel wide (the uint8
+        # kernel and the GPU's do not); transposed, the same resize is one pixel high, which it gets right.
+        wide = floating.transpose(-1, -2)
+        out = F.interpolate(wide, size=(1, size[0]), mode="bilinear", antialias=True, align_corners=False)
+        out = out.transpose(-1, -2)
+    else:
+        out = F.interpolate(floating, size=size, mode="bilinear", antialias=antialias, align_corners=False)
     return _rounded_to(out, images.dtype).reshape(*shape[:-2], *size)
 
 
@@ -70,7 +77,12 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     """Converts images; with ``scale`` as torchvision's, keeping the value range's meaning.
 
     An integer type's range maps to and from [0, 1] floats (``uint8``'s 0-255), and integer types
-    convert by shifting their value bits.
+    convert by shifting their value bits. Half-precision floats scale to integers in float32: in their
+    own precision 1.0 times 255.999 rounds to 256, which wraps to 0 (torchvision's white turns black).
+
+    Raises:
+        RuntimeError: For float32 to int32 or int64 and float64 to int64, which cannot be scaled exactly,
+            as torchvision refuses them.
     """
     if images.dtype == dtype:
         return images
@@ -80,11 +92,23 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     if dtype.is_floating_point:  # exact: a multiply by 1/255 is one ulp off for half the bytes
         return images.to(dtype).div_(torch.iinfo(images.dtype).max)
     if source_floating:
-        return images.mul(torch.iinfo(dtype).max + 1 - 1e-3).to(dtype)  # torchvision's rule
+        if (images.dtype, dtype) in _UNSAFE:
+            raise RuntimeError(f"The conversion from {images.dtype} to {dtype} cannot be performed safely.")
+        work = images.float() if images.dtype.itemsize < 4 else images
+        return work.mul(torch.iinfo(dtype).max + 1 - 1e-3).to(dtype)  # torchvision's rule
     shift = _value_bits(dtype) - _value_bits(images.dtype)
+    if images.dtype in _NO_SHIFTS or dtype in _NO_SHIFTS:  # torch has no bit shifts for them
+        wide = images.to(torch.int64)
+        return (wide << shift if shift >= 0 else wide >> -shift).to(dtype)
     if shift >= 0:
         return images.to(dtype).bitwise_left_shift_(shift)
     return images.bitwise_right_shift(-shift).to(dtype)
+
+
+#: Float to integer conversions whose scaling is not exact (torchvision refuses the same three).
+_UNSAFE = {(torch.float32, torch.int32), (torch.float32, torch.int64), (torch.float64, torch.int64)}
+#: Integer types whose values torch cannot shift: they shift as int64 (wide enough for their values).
+_NO_SHIFTS = (torch.uint16, torch.uint32)
 
 
 def _value_bits(dtype: torch.dtype) -> int:
