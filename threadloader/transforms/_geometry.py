@@ -36,7 +36,7 @@ def _sides(size: object, transform: str) -> tuple[int, int]:
 
 
 def _is_side(side: object) -> bool:
-    return isinstance(side, numbers.Integral) and not isinstance(side, bool) and side >= 1
+    return isinstance(side, numbers.Integral) and not isinstance(side, bool) and int(side) >= 1
 
 
 class Resize(Transform):
