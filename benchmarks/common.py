@@ -209,20 +209,43 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def take(stream: Iterator[Batch], step: Step, count: int) -> tuple[int, float]:
+def take(
+    stream: Iterator[Batch], step: Step, count: int, *, on_device: list[float] | None = None
+) -> tuple[int, float]:
     """Consume ``count`` batches; return the images seen and the seconds spent blocked in ``next()``.
+
+    With ``on_device`` (CUDA only), also appends the seconds the GPU waited for the batches: from an
+    event recorded before each ``next()`` to one recorded after it, on the consumer's stream. The step
+    ends in a sync, so the first completes at once; the second once the batch's own work (a reader's
+    kernels, whose event the stream waits for, or a copy ``next()`` queued) is done. A loader whose
+    ``next()`` returns before that makes the GPU, not the host, wait: time the host's clock puts in the
+    step.
 
     A function of its own so no batch outlives it: CUDA IPC batches must be released before the
     workers that produced them are shut down.
     """
     images, waited = 0, 0.0
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     for _ in range(count):
+        before = _event() if on_device is not None else None
         start = time.perf_counter()
         batch = next(stream)
         waited += time.perf_counter() - start
+        if before is not None:
+            marks.append((before, _event()))
         step(batch)
         images += batch[0].shape[0]
+    if on_device is not None:
+        torch.cuda.synchronize()
+        on_device.append(sum(before.elapsed_time(after) for before, after in marks) / 1000)
     return images, waited
+
+
+def _event() -> torch.cuda.Event:
+    """A timing event recorded on the current stream now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def proc_stat(path: Path) -> tuple[list[str], float] | None:

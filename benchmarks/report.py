@@ -397,8 +397,12 @@ def training_table(found: list[ResultFile], *, page: bool = False) -> list[str]:
                 cells += [note(row) if row else "", "", ""]
                 continue
             wait = Spread.of(row["data_wait_frac"])
+            on_device = Spread.of(row.get("device_wait_frac") or [])
             cells += [cell(spread(row, "images_per_s"), ",.0f"), number(row.get("ratio"), ".2f", "x")]
-            cells.append(number(100 * wait.median if wait else None, ".0f", "%"))
+            cells.append(
+                number(100 * wait.median if wait else None, ".0f", "%")
+                + (f" (GPU {100 * on_device.median:.0f}%)" if on_device else "")
+            )
         body.append(cells)
     sources = [line for result in found for line in provenance(result)]
     return [*table(header, body), *sources] if page else [*sources, *table(header, body)]
@@ -423,7 +427,10 @@ def training_chart(found: list[ResultFile]) -> Draw:
                     if row["spec"]["loader"] == "fixed_input":
                         value = statistics.median(row["images_per_s"])
                         ax.axvline(
-                            value, color=colors[i], linestyle="--", label=f"fixed input{tag} {value:,.0f}"
+                            value,
+                            color=colors[i % len(colors)],
+                            linestyle="--",
+                            label=f"fixed input{tag} {value:,.0f}",
                         )
                         continue
                     _, pipeline, loader = training_key(row)
@@ -605,7 +612,9 @@ def training_summary(results: Path) -> str:
                 speeds = [statistics.median(r["images_per_s"]) / 1000 for r in ours]
                 ratio = _range(ratios, ".2f", "x") if ratios else "—"
                 cells.append(f"{ratio} ({_range(speeds, '.1f')}k img/s)" if ours else "")
-            memory = [r["extra_device_mb"] / 1000 for r in rows if r["spec"]["loader"] == "threadloader"]
+            memory = [
+                r["extra_device_mb"] * 2**20 / 1e9 for r in rows if r["spec"]["loader"] == "threadloader"
+            ]
             body.append([*cells, f"{_range(memory, '.1f')} GB" if memory else ""])
     config = found[0].config
     model = {"resnet50": "ResNet-50"}.get(str(config.get("model")), config.get("model"))

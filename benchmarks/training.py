@@ -49,7 +49,7 @@ SIZED = {  # option: (full run, --quick, what it is)
     "count": (1000, 32, "images in the varied set"),
     "batch_size": (64, 8, "images per step"),
     "workers": (8, 2, "DataLoader workers"),
-    "warmup": (10, 1, "steps before timing, the first included"),
+    "warmup": (10, 1, "steps after the first (start-up) one, before timing"),
     "steps": (20, 2, "steps per timed window"),
     "windows": (3, 3, "timed windows per row; the median is reported"),
     "row_timeout": (150.0, 120.0, "seconds before a row's process is stopped"),
@@ -84,9 +84,12 @@ class TrainingRow:
     images_per_s: list[float] = field(default_factory=list)  # one per timed window
     ms_per_step: list[float] = field(default_factory=list)
     data_wait_frac: list[float] = field(default_factory=list)
-    startup_s: float | None = None  # building the loader and its first step, the pause left out
+    #: Host seconds blocked in next() per window, over its wall time; device_wait_frac: the GPU's wait
+    #: for the batches over it (common.take), CUDA rows only.
+    device_wait_frac: list[float] = field(default_factory=list)
+    startup_s: float | None = None  # building the loader and its first batch's data, the pause left out
     build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
-    first_batch_s: float | None = None  # after the pause, to the end of the first step
+    first_batch_s: float | None = None  # after the pause, to the first batch's data ready
     extra_torch_peak_mb: float | None = None
     extra_device_mb: float | None = None
     row_s: float | None = None  # the row's process, start to end
@@ -158,8 +161,11 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
 
         stream = _loader(spec, args, pause)
         started = time.perf_counter()
-        step(next(stream))
+        first = next(stream)
+        common.sync(device)  # the first batch's data ready, as benchmarks.run times it: no step in it
         ended = time.perf_counter()
+        step(first)
+        del first
         if built:  # fixed input builds nothing
             row.build_s = built[0] - started
             row.first_batch_s = ended - built[0] - args.startup_pause
@@ -172,7 +178,7 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
             _profile(row, stream, step, args)
         else:
             for window in range(args.windows):
-                _window(row, stream, step, args.steps)
+                _window(row, stream, step, args.steps, args.device)
                 _progress(f"window {window + 1}: {row.images_per_s[-1]:,.0f} img/s")
         row.extra_device_mb = memory.stop()
         if device == "cuda":
@@ -186,13 +192,16 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
     return row
 
 
-def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int) -> None:
+def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int, device: str) -> None:
+    on_device: list[float] | None = [] if device == "cuda" else None
     started = time.perf_counter()
-    images, waited = common.take(stream, step, steps)
+    images, waited = common.take(stream, step, steps, on_device=on_device)
     wall = time.perf_counter() - started
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
     row.data_wait_frac.append(waited / wall)
+    if on_device:
+        row.device_wait_frac.append(on_device[0] / wall)
 
 
 def _profile(row: TrainingRow, stream: Iterator[Batch], step: Step, args: argparse.Namespace) -> None:
@@ -201,7 +210,7 @@ def _profile(row: TrainingRow, stream: Iterator[Batch], step: Step, args: argpar
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        _window(row, stream, step, args.steps)
+        _window(row, stream, step, args.steps, args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     trace = args.out / f"timeline-{args.profile}.json"
     prof.export_chrome_trace(str(trace))

@@ -119,3 +119,34 @@ def test_the_readme_rows_name_the_batch_where_files_differ_by_it(tmp_path: Path)
     assert "256x256 JPEGs, batch 64 |" in summary and "256x256 JPEGs, batch 32 |" in summary
     (tmp_path / "throughput-b32-fixed.json").unlink()
     assert "batch" not in report.results_summary(tmp_path)  # one batch size: the rows say none
+
+
+def test_five_training_files_draw_and_memory_reads_in_gigabytes(tmp_path: Path) -> None:
+    """The chart's fixed-input line took the file's colour without wrapping: a fifth file raised
+    IndexError. The summary divided MiB by 1000 and called it GB (5% low)."""
+    data = json.loads((report.RESULTS / "training.json").read_text())
+    for i in range(5):
+        data["hardware"] |= {"python": f"3.1{i}.0"}
+        (tmp_path / f"training-{i}.json").write_text(json.dumps(data))
+    found = report.load(tmp_path, "training*.json")
+    report.training_chart(found)(tmp_path / "training.png")
+    assert (tmp_path / "training.png").stat().st_size > 0
+    eager = [
+        r["extra_device_mb"]
+        for r in data["rows"]
+        if r["spec"]["loader"] == "threadloader"
+        and r["spec"]["kind"] == "eager"
+        and report.default_configuration(r)
+    ]
+    summary = report.training_summary(tmp_path)
+    low, high = (f"{mib * 2**20 / 1e9:.1f}" for mib in (min(eager), max(eager)))
+    assert f"| {low}-{high} GB |" in summary or f"| {low} GB |" in summary
+
+
+def test_the_gpus_data_wait_stands_beside_the_hosts(tmp_path: Path) -> None:
+    data = json.loads((report.RESULTS / "training.json").read_text())
+    row = next(r for r in data["rows"] if r["spec"]["loader"] == "threadloader" and r["status"] == "ok")
+    row["data_wait_frac"], row["device_wait_frac"] = [0.01, 0.02, 0.03], [0.10, 0.12, 0.50]
+    (tmp_path / "training.json").write_text(json.dumps(data))
+    text = "\n".join(report.training_table(report.load(tmp_path, "training*.json")))
+    assert "| 2% (GPU 12%) |" in text

@@ -216,3 +216,31 @@ def test_threadloader_rows_cross_no_epoch_boundary_and_read_in_the_other_rows_or
         [labels[i] for i in batch] for batch in itertools.islice(loaders.endless_batches(6, 4), 6)
     ]
     assert passes == [1]
+
+
+def test_a_training_rows_startup_is_its_first_batch_without_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """startup_s took in the first training step (a quarter of a second here), which benchmarks.run's
+    start-up, in the same memory table, does not; and the warm-up is the first step and --warmup more."""
+    import argparse
+    import time
+
+    from benchmarks import training
+
+    steps: list[float] = []
+
+    def make_step(**_: Any) -> Any:
+        def step(batch: Any) -> None:
+            steps.append(time.perf_counter())
+            time.sleep(0.25)
+
+        return step
+
+    monkeypatch.setattr(training, "make_step", make_step)
+    args = argparse.Namespace(
+        device="cpu", batch_size=2, startup_pause=0.0, warmup=2, windows=1, steps=1, profile=None, workers=1
+    )
+    row = training.measure(training.RowSpec(kind="eager", loader="fixed_input"), args)
+    assert row.status == "ok", row.reason
+    assert row.startup_s is not None and row.startup_s < 0.1
+    assert len(steps) == 1 + 1 + 2 + 1  # the baseline, the first batch's, the warm-up, the window
+    assert row.device_wait_frac == []  # the GPU's wait: CUDA rows only
