@@ -416,3 +416,9 @@ def test_float_to_wide_integers_is_refused_as_torchvision_refuses_it(
     """1.0 came out as -2147483648."""
     with pytest.raises(RuntimeError, match="cannot be performed safely"):
         ToDtype(target, scale=True)(torch.ones(1, 1, 1, 2, dtype=source))
+
+
+def test_normalize_refuses_an_image_without_channels() -> None:
+    """A (H, W) tensor came back (C, H, W), broadcast against the (C, 1, 1) constants."""
+    with pytest.raises(ValueError, match=r"\(\.\.\., C, H, W\), got shape \(4, 5\)"):
+        Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))(torch.rand(4, 5))

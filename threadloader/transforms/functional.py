@@ -123,6 +123,8 @@ def normalize(
     """``(images - mean) / std`` per channel, on float images; ``inplace`` for a tensor the caller owns."""
     if not images.is_floating_point():
         raise TypeError("normalize needs float images: convert with ToDtype(torch.float32, scale=True) first")
+    if images.ndim < 3:  # a (C, 1, 1) constant would broadcast a (H, W) image into (C, H, W)
+        raise ValueError(f"normalize needs images of (..., C, H, W), got shape {tuple(images.shape)}")
     mean_t = _channel_constant(tuple(float(m) for m in mean), images.device, images.dtype)
     std_t = _channel_constant(tuple(float(s) for s in std), images.device, images.dtype)
     if inplace:
