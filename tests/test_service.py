@@ -16,6 +16,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import PIL
@@ -855,3 +856,120 @@ print(done.wait(10))
     done = run_script(tmp_path, script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True"]
+
+
+# ------------------------------------------------- what a batch function or a callback may raise
+
+
+@pytest.mark.parametrize("raised", [StopIteration, KeyboardInterrupt, SystemExit, asyncio.CancelledError])
+def test_a_batch_function_raising_a_non_exception_fails_its_requests_with_a_runtime_error(
+    raised: type[BaseException],
+) -> None:
+    """An asyncio caller never got an answer for StopIteration (its future refuses it), saw its event
+    loop stop for KeyboardInterrupt and SystemExit, and looked cancelled for CancelledError."""
+
+    def fn(items: list[int]) -> list[int]:
+        raise raised("from the model")
+
+    async def call(batcher: MicroBatcher) -> BaseException:
+        with pytest.raises(RuntimeError) as info:
+            await asyncio.wait_for(batcher.arun(1), 5)
+        return info.value
+
+    with MicroBatcher(fn, max_delay_ms=0) as batcher:
+        error = asyncio.run(call(batcher))
+        assert f"the batch function raised {raised.__name__}" in str(error)
+        assert type(error.__cause__) is raised
+        with pytest.raises(RuntimeError) as info:
+            batcher.submit(2).result(5)
+        assert type(info.value.__cause__) is raised
+
+
+def test_a_done_callbacks_system_exit_stays_with_its_request() -> None:
+    """It went to the batch's other requests (a successful batch), or ended the worker with them
+    unanswered (a failed one)."""
+
+    def leave(future: concurrent.futures.Future[Any]) -> None:
+        sys.exit(1)
+
+    with MicroBatcher(lambda items: [10 * x for x in items], max_batch=3, max_delay_ms=500) as batcher:
+        futures = [batcher.submit(i) for i in range(3)]
+        futures[0].add_done_callback(leave)
+        assert [f.result(5) for f in futures] == [0, 10, 20]
+
+    def bad(items: list[int]) -> list[int]:
+        raise ValueError("bad input")
+
+    with MicroBatcher(bad, max_batch=3, max_delay_ms=500, num_threads=1) as batcher:
+        futures = [batcher.submit(i) for i in range(3)]
+        futures[0].add_done_callback(leave)
+        for future in futures:
+            with pytest.raises(ValueError, match="bad input"):
+                future.result(5)
+        with pytest.raises(ValueError, match="bad input"):
+            batcher.submit(3).result(5)  # the worker goes on
+
+
+class _CodedError(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"model failed with code {code}")
+        self.code = code
+
+
+KEPT = RuntimeError("the model's one error, raised again and again")
+
+
+def test_each_callers_error_keeps_the_message_and_the_raised_error_gains_nothing() -> None:
+    """A copy rebuilt through __init__ formatted the message again ("failed with code failed with
+    code 7"); and an error the function keeps gained a note of its traceback at every batch, which
+    every later request's error printed."""
+
+    def coded(items: list[int]) -> list[int]:
+        raise _CodedError(7)
+
+    with MicroBatcher(coded, max_delay_ms=0) as batcher, pytest.raises(_CodedError) as info:
+        batcher.submit(1).result(5)
+    assert str(info.value) == "model failed with code 7" and info.value.code == 7
+
+    def kept(items: list[int]) -> list[int]:
+        raise KEPT
+
+    with MicroBatcher(kept, max_delay_ms=0, num_threads=1) as batcher:
+        errors = []
+        for i in range(20):
+            with pytest.raises(RuntimeError) as info:
+                batcher.submit(i).result(5)
+            errors.append(info.value)
+    assert not getattr(KEPT, "__notes__", None) and KEPT.__traceback__ is None
+    assert all(error is not KEPT and len(error.__notes__) == 1 for error in errors)
+
+
+def test_a_wake_up_for_a_closed_loops_waiter_goes_to_the_next_one() -> None:
+    """A loop closed with an arun waiting for room took the freed slot's wake-up: another loop's
+    arun, waiting too, waited on though the queue had room."""
+    gate = threading.Event()
+    with MicroBatcher(
+        lambda items: (gate.wait(5), items)[1], max_delay_ms=0, max_queue=1, num_threads=1
+    ) as batcher:
+        batcher.submit("busy")
+        time.sleep(0.2)  # the worker holds it: the next fills the queue
+        batcher.submit("queued")
+        abandoned: list[asyncio.Task[Any]] = []
+
+        def closed_loop() -> None:
+            loop = asyncio.new_event_loop()
+            abandoned.append(loop.create_task(batcher.arun("A")))
+            loop.run_until_complete(asyncio.sleep(0.2))
+            loop.close()  # its task never cancelled
+
+        thread = threading.Thread(target=closed_loop)
+        thread.start()
+        thread.join()
+
+        async def waits_for_room() -> str:
+            task = asyncio.ensure_future(batcher.arun("B"))
+            await asyncio.sleep(0.2)
+            gate.set()
+            return await asyncio.wait_for(task, 5)
+
+        assert asyncio.run(waits_for_room()) == "B"

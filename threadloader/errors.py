@@ -59,14 +59,15 @@ def _rebuild_sample_error(index: int, origin: str, stage: str, reason: str) -> S
     return SampleError(index=index, origin=origin, stage=stage, reason=reason)
 
 
-def detached(exc: BaseException) -> BaseException:
+def detached(exc: BaseException, *, as_text: bool = True) -> BaseException:
     """``exc`` and every exception it chains, their tracebacks as text: what a sample's error chains.
 
     A traceback keeps each of its frames alive, and each frame its caller (``frame.f_back``): an error
     kept by the user (a list of the bad samples, a failed request's future) would keep a reader
     thread's whole stack, its group's bytes and decoded images, in memory, and where the exception
     sits in a dict of one of those frames, a cycle that only the garbage collector frees. The
-    traceback is kept as text, in a note (Python 3.11 and later print it with the exception).
+    traceback is kept as text, in a note (Python 3.11 and later print it with the exception), unless
+    not ``as_text``.
     """
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
@@ -76,7 +77,7 @@ def detached(exc: BaseException) -> BaseException:
             continue
         seen.add(id(current))
         if current.__traceback__ is not None:
-            if hasattr(current, "add_note"):
+            if as_text and hasattr(current, "add_note"):
                 frames = "".join(traceback.format_tb(current.__traceback__)).rstrip()
                 current.add_note(f"Traceback (as text; its frames released):\n{frames}")
             current.__traceback__ = None

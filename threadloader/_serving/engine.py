@@ -8,7 +8,9 @@ and the worker goes on.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ from .._stats import StatsRecorder
 from ..errors import LoaderClosedError, SampleError, detached
 from .metrics import Metrics
 from .queue import Request, RequestQueue
+
+logger = logging.getLogger("threadloader")
 
 __all__ = ["Engine", "Runner", "answer", "run_guarded", "serve"]
 
@@ -104,9 +108,10 @@ def run_guarded(metrics: Metrics, requests: list[Request], work: Callable[[], No
     A failure of the whole batch answers those it left with that error, and the worker goes on (at
     interpreter exit, it stops). Any error counts, not only an ``Exception``: a function that raises
     ``asyncio.CancelledError`` or calls ``sys.exit()`` would otherwise end the worker with its requests
-    unanswered. The error goes to the futures detached from its frames (``errors.detached``), which
-    hold this batch's requests, whose futures hold the error: a cycle that kept every activation of
-    the failed call alive until the garbage collector ran.
+    unanswered. The error goes to the futures as a copy detached from its frames (``errors.detached``),
+    which hold this batch's requests, whose futures hold the error: a cycle that kept every activation
+    of the failed call alive until the garbage collector ran. The raised error itself loses its frames
+    too, in case the function keeps it, but gains no note.
     """
     metrics.batch(len(requests))
     try:
@@ -115,18 +120,44 @@ def run_guarded(metrics: Metrics, requests: list[Request], work: Callable[[], No
         _fail_unanswered(metrics, requests, LoaderClosedError(_CLOSED_WHILE_RUNNING))
         raise
     except BaseException as exc:  # e.g. CUDA out of memory: fail what this batch left unanswered, go on
-        _fail_unanswered(metrics, requests, detached(exc))
+        error = detached(_chain_copy(_deliverable(exc)))
+        detached(exc, as_text=False)  # an error the function keeps holds no worker's frames
+        _fail_unanswered(metrics, requests, error)
+
+
+def _deliverable(exc: BaseException) -> BaseException:
+    """``exc``, or a ``RuntimeError`` caused by it where a caller could not be given ``exc`` itself.
+
+    An asyncio caller's future refuses a ``StopIteration`` (its answer never came), and re-raises a
+    ``KeyboardInterrupt`` or ``SystemExit`` into its event loop (one bad batch stopped the server), or
+    a ``CancelledError`` as if the caller had been cancelled: those arrive as the ``__cause__``.
+    """
+    if isinstance(exc, Exception) and not isinstance(exc, (StopIteration, StopAsyncIteration)):
+        return exc
+    wrapped = RuntimeError(f"the batch function raised {type(exc).__name__}: {exc}".rstrip(": "))
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def answer(
     metrics: Metrics, request: Request, *, result: Any = None, error: BaseException | None = None
 ) -> None:
-    """Completes a request's future with its result or ``error``, and counts it."""
+    """Completes a request's future with its result or ``error``, and counts it.
+
+    A done-callback's ``SystemExit`` or other non-``Exception`` (``concurrent.futures`` catches only
+    an ``Exception``) is logged here: raised on, it went to the batch's other requests, or ended the
+    worker with them unanswered.
+    """
     metrics.answered(ok=error is None, seconds=time.perf_counter() - request.submitted)
-    if error is None:
-        request.future.set_result(result)
-    else:
-        request.future.set_exception(error)
+    try:
+        if error is None:
+            request.future.set_result(result)
+        else:
+            request.future.set_exception(error)
+    except Exception:
+        raise
+    except BaseException:
+        logger.exception("a done-callback of a request raised; the request is answered, the service goes on")
 
 
 def _fail_unanswered(metrics: Metrics, requests: list[Request], error: BaseException) -> None:
@@ -136,19 +167,55 @@ def _fail_unanswered(metrics: Metrics, requests: list[Request], error: BaseExcep
 
 
 def _own_copy(error: BaseException) -> BaseException:
-    """A request's own copy of its batch's error, of the same type and chain.
+    """A request's own copy of its batch's error, of the same type, message and chain.
 
     Each ``future.result()`` raises the object it was given, and a raise adds the raising caller's
     frames to that object's traceback: one object shared by a batch's callers carried each caller's
     frames, and the locals in them (a request's body), to the others, and kept them alive. An error
     that cannot be copied is shared.
     """
-    try:
+    own = _copied(error)
+    if own is not error:
+        own.__cause__, own.__context__ = error.__cause__, error.__context__
+        own.__suppress_context__ = error.__suppress_context__
+    return own
+
+
+def _chain_copy(error: BaseException, memo: dict[int, BaseException] | None = None) -> BaseException:
+    """``error`` and the errors it chains, copied with their tracebacks: what ``detached`` may change.
+
+    A batch function may raise an error it keeps (a module's one instance, raised again and again):
+    detached in place, it gained a note of the traceback at every batch, which every later request's
+    error then printed.
+    """
+    memo = {} if memo is None else memo
+    if id(error) in memo:
+        return memo[id(error)]
+    own = memo[id(error)] = _copied(error)
+    if own is not error:
+        own.__traceback__ = error.__traceback__
+        own.__suppress_context__ = error.__suppress_context__
+        own.__cause__ = None if error.__cause__ is None else _chain_copy(error.__cause__, memo)
+        own.__context__ = None if error.__context__ is None else _chain_copy(error.__context__, memo)
+    return own
+
+
+def _copied(error: BaseException) -> BaseException:
+    """A copy of ``error``, its attributes and notes its own; ``error`` itself where it cannot be copied.
+
+    ``copy.copy`` builds it anew from its arguments, which an ``__init__`` that formats its message
+    from them formats again ("failed with code failed with code 7"): such an error is copied without
+    its ``__init__``.
+    """
+    own: BaseException | None = None
+    with contextlib.suppress(Exception):
         own = copy.copy(error)
+    try:
+        if own is None or str(own) != str(error):
+            own = type(error).__new__(type(error), *error.args)
+            own.__dict__.update(vars(error))
     except Exception:
         return error
-    own.__cause__, own.__context__ = error.__cause__, error.__context__
-    own.__suppress_context__ = error.__suppress_context__
     notes = getattr(error, "__notes__", None)
     if notes is not None:
         own.__notes__ = list(notes)  # type: ignore[attr-defined]  # a note one caller adds stays its own

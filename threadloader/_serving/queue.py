@@ -220,8 +220,7 @@ class RequestQueue:
     def _wake_async(self) -> None:
         while self._async_waiters:
             loop, waiter = self._async_waiters.popleft()
-            if not waiter.done():
-                _wake(loop, waiter)
+            if not waiter.done() and _wake(loop, waiter):  # a closed loop's waiter passes it on
                 return
 
     def _leave(self, waiter: asyncio.Future[None], *, pass_on: bool) -> None:
@@ -239,12 +238,15 @@ class RequestQueue:
                 self._wake_async()
 
 
-def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
-    """Wakes an asyncio waiter from any thread (its loop may have closed meanwhile: nothing to wake)."""
+def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> bool:
+    """Wakes an asyncio waiter from any thread; ``False`` where its loop has closed (nothing to wake)."""
 
     def wake() -> None:
         if not waiter.done():
             waiter.set_result(None)
 
-    with contextlib.suppress(RuntimeError):
+    try:
         loop.call_soon_threadsafe(wake)
+    except RuntimeError:
+        return False
+    return True
