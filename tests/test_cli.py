@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,10 +80,57 @@ def test_missing_folder(tmp_path: Path) -> None:
     assert_one_line_error(cli(str(missing)), 2, "no such folder", str(missing))
 
 
-def test_a_file_instead_of_a_folder(tmp_path: Path) -> None:
-    path = tmp_path / "one.jpg"
-    path.write_bytes(encode(photo(8, 8)))
-    assert_one_line_error(cli(str(path)), 2, str(path), "folder")
+def test_a_file_that_is_no_image_nor_shard(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("no image")
+    assert_one_line_error(cli(str(path)), 2, str(path), "is not an image", "folder")
+
+
+def test_a_folder_of_images_alone_and_image_files_load(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The library's message for a folder without class sub-folders says to pass its files: the
+    command refused both."""
+    for i in range(3):
+        (tmp_path / f"{i}.jpg").write_bytes(encode(photo(20, 24, seed=i)))
+    for args in ([str(tmp_path)], [str(tmp_path / f"{i}.jpg") for i in range(3)]):
+        code, out, err = in_process(capsys, *args, "--device", "cpu", "--epochs", "1", "--size", "16")
+        assert (code, err) == (0, "") and "1 epoch(s) of 3 images at 16x16" in out
+
+
+def test_the_first_batchs_time_leaves_out_making_the_sample_photos(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threadloader.__main__ as command
+
+    made = command.sample_photos
+
+    def slow(count: int) -> list[tuple[bytes, int]]:
+        time.sleep(1.0)
+        return made(count)
+
+    monkeypatch.setattr(command, "sample_photos", slow)
+    code, out, _ = in_process(capsys, "--device", "cpu", "--count", "64", "--epochs", "1", "--size", "32")
+    assert code == 0
+    assert float(out.rsplit("first batch after ", 1)[1].split(" s")[0]) < 1.0
+
+
+def test_running_out_of_memory_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threadloader.__main__ as command
+
+    def run(args: object) -> str:
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 43200000000 bytes"
+        )
+
+    monkeypatch.setattr(command, "run", run)
+    code, out, err = in_process(capsys, "--device", "cpu")
+    assert (code, out) == (1, "")
+    assert (
+        err.startswith(f"{PROG}: error: out of memory (") and "--size" in err and len(err.splitlines()) == 1
+    )
 
 
 def test_empty_folder(tmp_path: Path) -> None:
@@ -191,6 +239,7 @@ def test_several_folders_are_refused(capsys: pytest.CaptureFixture[str], folder:
     assert (code, out) == (2, "")
     assert (
         err
-        == f"{PROG}: error: give one folder, or tar shards (.tar), got 2 paths that are not all shards: "
+        == f"{PROG}: error: give one folder, image files, or tar shards (.tar), got 2 paths that are not all "
+        + "images or all shards: "
         + f"{str(folder)!r}, {str(folder)!r}\n"
     )

@@ -1,4 +1,4 @@
-"""python -m threadloader [SOURCE...]: load a folder or shards (or sample photos) and print throughput.
+"""python -m threadloader [SOURCE...]: load a folder, images or shards (or sample photos); print throughput.
 
 The quickest check that an installation works and decodes where you expect: on the GPU when one and
 nvImageCodec are usable, else on the CPU with Pillow. User errors (a missing or empty folder, bad
@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from . import ImageFolder, TarShards, ThreadLoader, ThreadLoaderError
+from ._encoded import IMAGE_EXTENSIONS
 from ._sources import Source
 from ._tar import is_shard_spec
 
@@ -91,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "source",
         nargs="*",
-        help="an image folder, a sub-folder per class; or tar shards: a brace pattern "
+        help="an image folder, a sub-folder per class (or the images alone: no targets); image files; or "
+        "tar shards: a brace pattern "
         "'shards/{000000..000127}.tar', a glob 'shards/*.tar' (quoted, or expanded by the shell), or the "
         ".tar files (default: photos made from the bundled samples)",
     )
@@ -116,19 +118,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _source(sources: list[str], count: int | None) -> Source:
-    """What the command loads: the first ``count`` samples of a folder or shards, or sample photos.
+    """What the command loads: the first ``count`` samples of a folder, image files or shards.
 
     Raises:
-        UsageError: For a missing path, a file that is not a shard, or several sources that are not
-            all shards.
+        UsageError: For a missing path, a file that is neither an image nor a shard, or several
+            sources that are not all images or all shards.
     """
-    if not sources:
-        return sample_photos(count or 1024)
     if all(is_shard_spec(source) for source in sources):
         source: Source = TarShards(sources)
+    elif all(os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS) for path in sources):
+        source = list(sources)
     elif len(sources) > 1:
         raise UsageError(
-            f"give one folder, or tar shards (.tar), got {len(sources)} paths that are not all shards: "
+            f"give one folder, image files, or tar shards (.tar), got {len(sources)} paths that are not all "
+            "images or all shards: "
             + ", ".join(repr(source) for source in sources[:3])
             + (", ..." if len(sources) > 3 else "")
         )
@@ -136,20 +139,34 @@ def _source(sources: list[str], count: int | None) -> Source:
         raise UsageError(f"no such folder: {sources[0]!r}")
     elif not os.path.isdir(sources[0]):
         raise UsageError(
-            f"{sources[0]!r} is a file; give a folder with one sub-folder per class, or .tar shards"
+            f"{sources[0]!r} is not an image ({', '.join(IMAGE_EXTENSIONS)}); give a folder, image files, "
+            "or .tar shards"
         )
     else:
-        source = ImageFolder(sources[0])
+        source = _folder(sources[0])
     if count is None or count >= len(source):
         return source
     return Subset(cast("Dataset[Any]", source), range(count))  # indexes any map-style source
 
 
+def _folder(path: str) -> Source:
+    """An :class:`ImageFolder` of class sub-folders; a folder of images alone, its images (sorted)."""
+    with os.scandir(path) as entries:
+        listed = list(entries)
+    if not any(entry.is_dir() for entry in listed):
+        images = [e.path for e in listed if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)]
+        if images:
+            return sorted(images)
+    return ImageFolder(path)
+
+
 def run(args: argparse.Namespace) -> str:
     """A few epochs over the data; returns the line of throughput to print."""
+    # The sample photos are made before the clock starts: the first batch's time is the loader's.
+    photos = None if args.source else sample_photos(args.count or 1024)
     start = time.perf_counter()
     try:
-        source = _source(args.source, args.count)
+        source = photos if photos is not None else _source(args.source, args.count)
         loader = ThreadLoader(
             source,
             batch_size=args.batch_size,
@@ -202,6 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     except ThreadLoaderError as exc:
         hint = "; --on-error skip leaves bad images out" if args.on_error == "raise" else ""
         print(f"{PROG}: error: {_one_line(exc)}{hint}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as exc:
+        # torch.OutOfMemoryError is the GPU's; "can't allocate memory", its CPU allocator's.
+        out_of_memory = not isinstance(exc, RuntimeError) or isinstance(exc, torch.OutOfMemoryError)
+        if not (out_of_memory or "can't allocate memory" in str(exc)):
+            raise
+        print(
+            f"{PROG}: error: out of memory ({_one_line(exc)}); try a smaller --size or --batch-size",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         return 130
