@@ -61,3 +61,29 @@ def test_a_waiting_thread_gets_the_gil_during_a_paced_loop(monkeypatch: pytest.M
         sys.setswitchinterval(previous)
         thread.join(5)
     assert ran and ran[0] - begin < 0.1, "the waiting thread did not get the GIL during the paced loop"
+
+
+@pytest.mark.parametrize(("value", "every"), [(None, 100e-6), ("25", 25e-6), ("400.5", 400.5e-6)])
+def test_the_slice_comes_from_the_environment_at_import(value: str | None, every: float) -> None:
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != _gil.SLICE_ENV}
+    if value is not None:
+        env[_gil.SLICE_ENV] = value
+    code = "from threadloader import _gil; print(repr(_gil.EVERY))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout) == pytest.approx(every)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "fast", "1e9", "nan"])
+def test_a_slice_that_is_no_duration_is_refused_naming_the_variable(value: str) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, _gil.SLICE_ENV: value}
+    result = subprocess.run(
+        [sys.executable, "-c", "import threadloader"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert f"{_gil.SLICE_ENV} must be microseconds" in result.stderr and repr(value) in result.stderr

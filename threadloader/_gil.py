@@ -15,15 +15,35 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import sysconfig
 import threading
 import time
 
-__all__ = ["EVERY", "MERGE_INTERVAL", "Pacer"]
+__all__ = ["EVERY", "MERGE_INTERVAL", "SLICE_ENV", "Pacer"]
 
-#: Most seconds a reader's loop keeps the GIL before letting a waiting thread in.
-EVERY = 100e-6
+#: Set to a number of microseconds to change :data:`EVERY` (read at import): for measuring what the
+#: readers' turns cost an eager training step beside them (``.ci/gpu-results``'s ``gil-slice`` part).
+SLICE_ENV = "THREADLOADER_GIL_SLICE_US"
+
+
+def _slice() -> float:
+    value = os.environ.get(SLICE_ENV)
+    if value is None:
+        return 100e-6
+    try:
+        micros = float(value)
+    except ValueError:
+        micros = -1.0
+    if not 0 < micros < 1e6:
+        raise ValueError(f"{SLICE_ENV} must be microseconds, more than 0 and less than 1e6, got {value!r}")
+    return micros * 1e-6
+
+
+#: Most seconds a reader's loop keeps the GIL before letting a waiting thread in (100 us unless
+#: :data:`SLICE_ENV` says otherwise).
+EVERY = _slice()
 #: How long it then sleeps: long enough for a waiting thread to wake and take the GIL.
 _PAUSE = 20e-6
 #: On a free-threaded build, longest a thread that waits goes without running Python (``None`` with a GIL).
