@@ -760,7 +760,8 @@ def test_a_function_that_raises_a_base_exception_fails_its_batch_and_the_service
 
     with MicroBatcher(cancelled_once, num_threads=1, max_batch=1, max_delay_ms=0) as service:
         failed = service.submit(1)
-        assert isinstance(failed.exception(10), asyncio.CancelledError)
+        error = failed.exception(10)
+        assert isinstance(error, RuntimeError) and isinstance(error.__cause__, asyncio.CancelledError)
         assert service.submit(2).result(10) == 2
 
 
