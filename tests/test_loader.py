@@ -1217,3 +1217,24 @@ def test_ahead_counts_the_readers_held_back_by_a_slow_consumer() -> None:
             pass
         fast = loader.stats().stage_seconds["ahead"]
     assert fast < 0.05, fast  # a window of 64 batches is never full over 12
+
+
+def test_a_stop_iteration_from_a_collate_fn_is_raised_at_its_batch_not_taken_for_the_epochs_end(
+    blobs: list[bytes],
+) -> None:
+    """A reader's StopIteration (say, a helper's next() that runs dry) was raised on by the pool's next():
+    the loop ended without an error, batches short."""
+
+    def dry(targets: list[int]) -> torch.Tensor:
+        if 4 in targets:
+            next(iter([]))
+        return torch.tensor(targets)
+
+    source = [(blobs[i % len(blobs)], i) for i in range(8)]
+    loader = ThreadLoader(source, batch_size=2, num_threads=2, collate_fn=dry, device="cpu", size=(8, 8))
+    received = []
+    with pytest.raises(RuntimeError, match="a reader's work raised StopIteration") as info:
+        for _, targets in loader:
+            received.append(targets.tolist())
+    assert received == [[0, 1], [2, 3]] and isinstance(info.value.__cause__, StopIteration)
+    loader.close()

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -723,3 +724,33 @@ def test_an_error_the_consumer_drops_frees_what_its_frames_held(blobs: list[byte
         assert loader() is None
     finally:
         gc.enable()
+
+
+def test_the_exit_hooks_cancel_never_hands_the_consumer_cancelled(
+    blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook cancels a pool's group (its readers' flag) before the pool shuts: a reader stopped in
+    between handed in Cancelled as its task's result, which the consumer raised (a daemon consumer
+    printed it at exit). The gap is widened here."""
+    from threadloader import _workers
+
+    shut = _workers.OrderedPool._shut
+
+    def late(self: Any, error: Any) -> None:
+        if error is _workers._exiting:
+            time.sleep(0.05)  # the readers see the flag before the pool is shut
+        shut(self, error)
+
+    monkeypatch.setattr(_workers.OrderedPool, "_shut", late)
+    for _ in range(3):
+        loader = make(blobs, num_threads=2, prefetch=1)
+        iterator = iter(loader)
+        next(iterator)
+        # From another thread, as _end_threads_at_exit does, while this one waits in next().
+        hook = threading.Timer(0.01, iterator._pool._group.cancel)  # type: ignore[attr-defined]
+        hook.start()
+        with pytest.raises(LoaderClosedError):  # the main thread's _exiting(): not Cancelled
+            while True:
+                next(iterator)
+        hook.join()
+        loader.close()

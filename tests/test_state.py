@@ -452,3 +452,29 @@ def test_a_damaged_state_is_refused(
             loader.load_state_dict({**loader.state_dict(), **damage})
         with pytest.raises(ValueError, match="not a ThreadLoader state: format 'list'"):
             loader.load_state_dict([])  # type: ignore[arg-type]
+
+
+def test_a_resumed_pass_whose_first_group_close_empties_goes_on_without_index_error(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """close() from another thread emptied the first group while a resumed pass dropped its head: the
+    consumer got IndexError: pop from an empty deque."""
+    import collections
+
+    class EmptiedByClose(collections.deque):  # type: ignore[type-arg]
+        def popleft(self) -> Any:
+            value = super().popleft()
+            self.clear()  # what close() in another thread does between two pops
+            return value
+
+    with make(samples, decode_batch_size=4 * BATCH) as first:
+        iterator = iter(first)
+        take(iterator, 3)
+        state = round_trip(first.state_dict())
+        del iterator
+    with make(samples, decode_batch_size=4 * BATCH) as resumed:
+        resumed.load_state_dict(state)
+        iterator = iter(resumed)
+        iterator._pending = EmptiedByClose()  # type: ignore[attr-defined]
+        _, targets = next(iterator)  # the next group's first batch: no IndexError
+        assert len(targets) == BATCH

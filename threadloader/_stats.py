@@ -31,8 +31,10 @@ class LoaderStats:
     Attributes:
         batches: Batches handed to the consumer.
         samples: Samples in those batches.
-        skipped: Samples dropped by ``on_error="skip"``.
-        errors: Sample errors seen (raised or skipped).
+        skipped: Samples dropped by ``on_error="skip"``, counted when their batch is made: a loop
+            that stops early may count some of batches it never received (prefetched), and a resumed
+            pass those of its first group's batches it skips.
+        errors: Sample errors seen (raised or skipped), counted as ``skipped`` is.
         cpu_fallbacks: Samples the GPU decoder gave up on that were decoded on the CPU instead.
         started_on_cpu: Samples of a GPU loader's first batches, decoded with Pillow and copied to the
             GPU while nvImageCodec was starting in the background.

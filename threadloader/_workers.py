@@ -424,7 +424,13 @@ class OrderedPool(Generic[T]):
         """
         try:
             result: tuple[bool, Any] = (True, self._work(task, index))
-        except BaseException as exc:  # Cancelled included: the pool is closed, and drops it below
+        except Cancelled:  # the pool is being closed (the exit hook cancels it before it shuts it): a
+            return False  # result handed in meanwhile would make the consumer raise Cancelled
+        except StopIteration as exc:  # raised on by next(), the consumer would end its pass there
+            error = RuntimeError(f"a reader's work raised StopIteration: {exc}".rstrip(": "))
+            error.__cause__ = exc
+            result = (False, error)
+        except BaseException as exc:
             result = (False, exc)
         try:
             with self._cv:

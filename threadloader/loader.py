@@ -527,8 +527,11 @@ class _EpochIterator:
                     waited = time.perf_counter() - started
                     self._stats.add_time("wait", waited)
                 self._runtime.consumer_waited(waited)
-                for _ in range(min(self._drop, len(self._pending))):
-                    self._pending.popleft()
+                for _ in range(self._drop):
+                    try:
+                        self._pending.popleft()
+                    except IndexError:  # fewer batches, or emptied by close() in another thread
+                        break
                 self._drop = 0
                 continue
             try:
