@@ -754,3 +754,32 @@ def test_the_exit_hooks_cancel_never_hands_the_consumer_cancelled(
                 next(iterator)
         hook.join()
         loader.close()
+
+
+def test_a_next_that_close_wakes_raises_at_once_beside_a_stuck_reader() -> None:
+    """The woken next() closed the pool again and waited another second for the stuck reader's thread
+    (and so did every later next() and close())."""
+    release = threading.Event()
+
+    class Stuck:
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> Any:
+            release.wait(30)  # a read that does not return
+            raise OSError("released")
+
+    loader = ThreadLoader(Stuck(), batch_size=2, num_threads=1, device="cpu")
+    iterator = iter(loader)
+    closer = threading.Timer(0.2, loader.close)
+    closer.start()
+    started = time.perf_counter()
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+    woken = time.perf_counter() - started
+    again = time.perf_counter()
+    loader.close()
+    closed_again = time.perf_counter() - again
+    release.set()
+    closer.join()
+    assert woken < 0.8 and closed_again < 0.5, (woken, closed_again)

@@ -348,7 +348,13 @@ class OrderedPool(Generic[T]):
         Args:
             error: Makes what ``next()`` raises from now on (the first close decides); the default
                 ends an iteration as if the tasks were exhausted.
+
+        A pool already closed returns at once: the first close waits for the threads (a consumer's
+        ``next()`` that the close woke closes again, and with a reader stuck in a read waited another
+        second each time).
         """
+        if self.closed:
+            return
         _uninterrupted(
             functools.partial(self._shut, error),
             self._group.cancel,
