@@ -896,7 +896,7 @@ def test_size_none_keeps_each_original_size() -> None:
         ({"seed": 1.5}, "seed must be an int from 0"),
         ({"seed": 2**64}, f"seed must be an int from 0 .*got {2**64}"),  # its draws were seed=0's
         ({"seed": True}, "seed must be an int from 0 .*got True"),
-        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": 0}, "batch_size must be at least 1, got 0"),
         ({"batch_size": None}, "batch_size must be a positive integer"),
         ({"size": (0, 10)}, "size must be \\(height, width\\), two ints of at least 1, got \\(0, 10\\)"),
         ({"size": (10,)}, "size must be \\(height, width\\)"),
@@ -912,6 +912,16 @@ def test_size_none_keeps_each_original_size() -> None:
         ({"backend": "cuda"}, "with device='cpu' Pillow decodes"),
         ({"backend": "bogus", "device": "cpu"}, "backend must be one of"),
         ({"device": "meta"}, "device must be 'cpu' or a CUDA device"),
+        # Each was torch's or Python's own error, naming nothing (or accepted: prefetch=1.5, True).
+        ({"prefetch": "2"}, r"prefetch must be an int, got '2' \(str\)"),
+        ({"prefetch": 1.5}, r"prefetch must be an int, got 1\.5"),
+        ({"prefetch": True}, r"prefetch must be an int, got True"),
+        ({"batch_size": "4"}, r"batch_size must be an int, got '4'"),
+        ({"batch_size": 2.5}, r"batch_size must be an int, got 2\.5"),
+        ({"device": "bogus"}, r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 'bogus'"),
+        ({"device": 1.5}, r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 1\.5"),
+        # A sampler with world_size asked for rank=, then refused it.
+        ({"sampler": [0, 1], "world_size": 2}, r"a sampler or batch_sampler is taken as it is"),
     ],
 )
 def test_invalid_options_raise_value_error(blobs: list[bytes], options: dict, message: str) -> None:
@@ -923,6 +933,10 @@ def test_invalid_options_raise_value_error(blobs: list[bytes], options: dict, me
 
 def test_numpy_integers_are_counts(blobs: list[bytes]) -> None:
     counts = {
+        "prefetch": np.int64(2),
+        "seed": np.int64(3),
+        "rank": np.int64(0),
+        "world_size": np.int64(1),
         "num_threads": np.int64(2),
         "decode_batch_size": np.int64(4),
         "max_pixels": np.int64(10**6),
@@ -1237,4 +1251,13 @@ def test_a_stop_iteration_from_a_collate_fn_is_raised_at_its_batch_not_taken_for
         for _, targets in loader:
             received.append(targets.tolist())
     assert received == [[0, 1], [2, 3]] and isinstance(info.value.__cause__, StopIteration)
+    loader.close()
+
+
+def test_cpu_0_is_the_cpu(blobs: list[bytes]) -> None:
+    """A decoder's "cpu" did not match device="cpu:0", and loader.device said cpu:0."""
+    from threadloader.decode import PillowDecoder
+
+    loader = ThreadLoader(blobs[:2], batch_size=2, device="cpu:0", decoder=PillowDecoder())
+    assert loader.device == torch.device("cpu")
     loader.close()

@@ -115,3 +115,35 @@ def test_options_are_frozen_and_take_a_front_ends_arguments_by_name() -> None:
     assert options.backend == "all"
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.backend = "auto"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        ("0", False),
+        ("false", False),
+        ("Off", False),
+        ("no", False),
+        (" 0\n", False),
+        ("1", True),
+        ("TRUE", True),
+        ("on", True),
+        ("", True),
+    ],
+)
+def test_switches_read_what_people_write(monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> None:
+    """THREADLOADER_WARMUP=false (anything but the exact "0") left the warm-up on, and so on."""
+    from threadloader._options import REGION_DECODE_ENV, WARMUP_ENV, warm_up_wanted
+
+    monkeypatch.setenv(WARMUP_ENV, value)
+    monkeypatch.setenv(REGION_DECODE_ENV, value)
+    assert warm_up_wanted() is on
+    assert DEFAULTS.regions() is on
+
+
+def test_a_switch_of_another_value_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from threadloader._options import WARMUP_ENV, warm_up_wanted
+
+    monkeypatch.setenv(WARMUP_ENV, "disable")
+    with pytest.raises(ValueError, match=r"THREADLOADER_WARMUP must be 1 or 0 .*got 'disable'"):
+        warm_up_wanted()

@@ -974,3 +974,9 @@ def test_a_wake_up_for_a_closed_loops_waiter_goes_to_the_next_one() -> None:
             return await asyncio.wait_for(task, 5)
 
         assert asyncio.run(waits_for_room()) == "B"
+
+
+def test_numpy_numbers_are_milliseconds() -> None:
+    """max_delay_ms=np.float32(1) was "not a finite number", where counts take numpy's integers."""
+    with MicroBatcher(lambda items: items, max_delay_ms=np.float32(1), max_batch=np.int64(4)) as batcher:
+        assert batcher.submit(5).result(5) == 5

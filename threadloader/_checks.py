@@ -1,10 +1,14 @@
-"""The check of a count argument, shared by every layer that takes one (and below all of them)."""
+"""The checks of count arguments and switches, shared by every layer that takes one (below all of them)."""
 
 from __future__ import annotations
 
 import numbers
+import os
 
-__all__ = ["check_count"]
+__all__ = ["check_count", "env_flag"]
+
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
 
 
 def check_count(name: str, value: object, *, optional: bool = True) -> None:
@@ -16,3 +20,17 @@ def check_count(name: str, value: object, *, optional: bool = True) -> None:
         raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value!r}")
+
+
+def env_flag(name: str, *, default: bool) -> bool:
+    """An on/off environment variable: unset or empty is ``default``, else 1 or 0 (true/false, on/off...).
+
+    Raises:
+        ValueError: For any other value, naming the variable: ``false`` read as "not 0" turned it on.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{name} must be 1 or 0 (or true/false, on/off, yes/no), got {os.environ[name]!r}")

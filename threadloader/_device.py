@@ -66,9 +66,12 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             if local_rank.isdigit() and int(local_rank) < torch.cuda.device_count()
             else "cuda"
         )
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r} ({exc})") from exc
     if resolved.type == "cpu":
-        return resolved
+        return torch.device("cpu")  # 'cpu:0' is the one CPU device: a decoder's 'cpu' must match it
     if resolved.type != "cuda":
         raise ValueError(f"device must be 'cpu' or a CUDA device, got {resolved}")
     if not torch.cuda.is_available():

@@ -12,14 +12,13 @@ built.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._checks import check_count
+from ._checks import check_count, env_flag
 from ._device import available_cpus
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder, check_pixel_limit
@@ -151,7 +150,7 @@ class Options:
         """Whether region decoding is on: ``region_decode``, else unless ``THREADLOADER_REGION_DECODE=0``."""
         if self.region_decode is not None:
             return self.region_decode
-        return os.environ.get(REGION_DECODE_ENV, "1") != "0"
+        return env_flag(REGION_DECODE_ENV, default=True)
 
 
 def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_size: int | None) -> int:
@@ -169,7 +168,7 @@ def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_siz
 
 def warm_up_wanted() -> bool:
     """Whether a front end warms its GPU decoder up in the background (unless ``THREADLOADER_WARMUP=0``)."""
-    return os.environ.get(WARMUP_ENV, "1") != "0"
+    return env_flag(WARMUP_ENV, default=True)
 
 
 def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform | None:

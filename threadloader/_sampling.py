@@ -8,11 +8,14 @@ and it is ``DistributedSampler``'s permutation, so every rank of a job draws the
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Sized
 from itertools import chain, islice
 from typing import Any
 
 import torch
+
+from ._checks import check_count
 
 __all__ = ["BatchPlan", "group_batches", "resolve_shard", "resume_groups", "shard"]
 
@@ -45,8 +48,9 @@ class BatchPlan:
                     "drop_last (leave those at their defaults: the batch_sampler decides them)"
                 )
         else:
-            if batch_size is None or batch_size < 1:
-                raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            if batch_size is None:
+                raise ValueError("batch_size must be a positive integer, got None (None is not supported)")
+            check_count("batch_size", batch_size, optional=False)
             if sampler is not None and shuffle:
                 raise ValueError(
                     "sampler option is mutually exclusive with shuffle (the sampler decides order)"
@@ -189,8 +193,9 @@ def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
         else:
             rank = 0
     for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name} must be an int, got {value!r}")
+    rank, world_size = int(rank), int(world_size)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import functools
 import logging
+import numbers
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_count
 from ._options import DEFAULTS, Options
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._runtime import Runtime
@@ -201,25 +203,25 @@ class ThreadLoader:
             raise TypeError(f"collate_fn must be a function of the list of a batch's targets, got {got}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1 (batches in flight per thread), got {prefetch}")
+        check_count("prefetch", prefetch, optional=False)
         if seed is not None and (
-            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+            isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**64
         ):
             # Random draws use the seed's low 64 bits: seed=2**64 would repeat seed=0's crops and flips.
             raise ValueError(
                 f"seed must be an int from 0 to 2**64 - 1 (as torch.manual_seed's), or None, got {seed!r}"
             )
+        seed = None if seed is None else int(seed)
         options = Options.of(locals())  # the options both front ends take, checked
         self._source = as_source(source)
-        self.rank, self.world_size = resolve_shard(rank, world_size)
         own_order = sampler is None and batch_sampler is None
-        if not own_order and self.world_size > 1 and (rank is not None or world_size is not None):
+        if not own_order and world_size is not None and world_size != 1:  # before it asks for rank=
             raise ValueError(
                 f"rank={rank} and world_size={world_size} shard the loader's own order, but a sampler or "
                 "batch_sampler is taken as it is: shard it yourself (DistributedSampler) and leave rank "
                 "and world_size unset"
             )
+        self.rank, self.world_size = resolve_shard(rank, world_size)
         if own_order and shuffle and self.world_size > 1 and seed is None:
             raise ValueError(
                 f"shuffle=True with world_size={self.world_size} needs seed= (the same int on every rank, "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import numbers
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -521,5 +522,5 @@ def _check_batching(*, max_batch: int, max_delay_ms: float, max_queue: int, when
 
 
 def _is_number(value: object) -> bool:
-    """An int or a float, not a bool (``True`` is no number of milliseconds)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A real number (numpy's too), not a bool (``True`` is no number of milliseconds)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._checks import check_count
+from ..._checks import check_count, env_flag
 from ..._stats import StatsRecorder
 from ..base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, StageRecorder
 from . import _capi
@@ -199,9 +198,9 @@ class NvImageCodecDecoder(ImageDecoder):
         self.gpu_decoders = gpu_decoders
         self.batch_size = batch_size
         if engine is None:  # the environment is read now, as the rest of the configuration
-            engine = "python" if os.environ.get(CAPI_ENV, "1") == "0" else "capi"
+            engine = "capi" if env_flag(CAPI_ENV, default=True) else "python"
         self._wanted = engine
-        self._queue_calls = os.environ.get(QUEUE_ENV, "0") == "1"
+        self._queue_calls = env_flag(QUEUE_ENV, default=False)
         self._registry = registry
         configs = BACKENDS[backend]
         self._pace = Pace(configs, settled=_BESIDE_A_BUSY_GPU) if len(configs) > 1 else None
