@@ -147,3 +147,13 @@ def test_a_switch_of_another_value_is_refused_naming_it(monkeypatch: pytest.Monk
     monkeypatch.setenv(WARMUP_ENV, "disable")
     with pytest.raises(ValueError, match=r"THREADLOADER_WARMUP must be 1 or 0 .*got 'disable'"):
         warm_up_wanted()
+
+
+def test_a_normalize_before_any_float_conversion_is_refused_when_built() -> None:
+    """Decoders give uint8: it raised "normalize needs float images" at the first batch."""
+    from threadloader.transforms import Normalize, Resize, ToDtype
+
+    with pytest.raises(ValueError, match=r"Normalize\(.*\) would see uint8 images: put ToDtype"):
+        Options(transform=[Resize((8, 8)), Normalize((0.5,) * 3, (0.2,) * 3)], dtype=torch.float32)
+    floats = [ToDtype(torch.float32, scale=True), Normalize((0.5,) * 3, (0.2,) * 3)]
+    assert Options(transform=floats, dtype=torch.float32).chain is not None

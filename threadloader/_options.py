@@ -76,6 +76,7 @@ class Options:
     def __post_init__(self) -> None:
         object.__setattr__(self, "transform", as_transform(self.transform))
         self.output_format()  # checks size, dtype, mean, std and channels_last
+        _check_normalize_on_floats(self.chain)
         normalize = _normalized_by(self.chain)
         if normalize is not None and not self.dtype.is_floating_point:
             raise ValueError(
@@ -181,6 +182,19 @@ def as_transform(transform: Transform | Sequence[Transform] | None) -> Transform
         f"transform must be a threadloader transform or a list of them, got {type(transform).__name__}; "
         "torchvision transforms draw from the global RNG, which is not reproducible across threads"
     )
+
+
+def _check_normalize_on_floats(chain: Transform | None) -> None:
+    """Refuses a :class:`Normalize` that would see the decoders' ``uint8`` images (at the first batch)."""
+    floating = False
+    for transform in _steps(chain):
+        if isinstance(transform, ToDtype):
+            floating = transform.dtype.is_floating_point
+        elif isinstance(transform, Normalize) and not floating:
+            raise ValueError(
+                f"{transform!r} would see uint8 images: put ToDtype(torch.float32, scale=True) before it, "
+                "or pass mean= and std= to the loader instead (its output step normalizes in float)"
+            )
 
 
 def _normalized_by(chain: Transform | None) -> Normalize | None:
