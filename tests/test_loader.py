@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1260,4 +1261,22 @@ def test_cpu_0_is_the_cpu(blobs: list[bytes]) -> None:
 
     loader = ThreadLoader(blobs[:2], batch_size=2, device="cpu:0", decoder=PillowDecoder())
     assert loader.device == torch.device("cpu")
+    loader.close()
+
+
+def test_decode_batch_size_below_the_batch_says_what_the_calls_get(blobs: list[bytes]) -> None:
+    """A call holds whole batches: decode_batch_size=2 at batch 4 decoded 4 a call, and said 2."""
+    from threadloader.decode import PillowDecoder
+
+    calls: list[int] = []
+
+    class Counting(PillowDecoder):
+        def decode(self, encoded: Any, **options: Any) -> Any:
+            calls.append(len(encoded))
+            return super().decode(encoded, **options)
+
+    loader = ThreadLoader(blobs[:8], batch_size=4, decode_batch_size=2, decoder=Counting(), size=(8, 8))
+    assert loader.decode_batch_size == 4
+    assert sum(len(images) for images, _ in loader) == 8
+    assert calls == [4, 4]
     loader.close()

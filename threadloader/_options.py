@@ -157,13 +157,16 @@ class Options:
 def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_size: int | None) -> int:
     """Images per decoder call: ``decode_batch_size``, else 64 on a GPU (or the batch), one batch on the CPU.
 
+    A call holds whole batches, so a ``decode_batch_size`` below the batch is one batch a call: what it
+    says is what the calls get (it said 2 where every call decoded the batch's 8).
+
     The GPU decoder is faster per image on larger calls (docs/benchmarks.md), but a group's decoded
     images and outputs are all in device memory at once: 128 at a time doubled the loader's memory
     and did not feed a training step any faster than 64.
     """
     if decode_batch_size is not None:
         check_count("decode_batch_size", decode_batch_size)
-        return decode_batch_size
+        return max(int(decode_batch_size), batch_size)
     return max(DEFAULT_BATCH_SIZE, batch_size) if device.type == "cuda" else batch_size
 
 

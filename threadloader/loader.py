@@ -127,7 +127,8 @@ class ThreadLoader:
         decode_batch_size: Images per decoder call: consecutive batches are decoded together up to this
             many images, then split (the GPU decoder is faster on large batches, and each image of a
             call is in device memory at once). Default 64 on a GPU (or ``batch_size``, if larger),
-            ``batch_size`` on the CPU (each Pillow thread decodes one batch).
+            ``batch_size`` on the CPU (each Pillow thread decodes one batch). A call holds at least one
+            batch: a value below ``batch_size`` is ``batch_size``.
         transform: A transform or a list of them (``threadloader.transforms``: Resize, CenterCrop,
             RandomResizedCrop, RandomHorizontalFlip, Normalize, ToDtype), applied to each image after
             decoding, on the reader's stream. Random parameters are a function of (seed, epoch, sample
