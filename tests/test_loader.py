@@ -889,6 +889,13 @@ def test_size_none_keeps_each_original_size() -> None:
         ),
         ({"mean": (0.5,) * 2, "std": (0.5,) * 2, "dtype": torch.float32}, "one value per RGB channel"),
         ({"mean": (0.5,) * 3, "std": (0.5, 0.0, 0.5), "dtype": torch.float32}, "std must not contain zeros"),
+        # "object of type 'float' has no len()", "could not convert string to float: 'a'", all-NaN outputs.
+        (
+            {"mean": 0.5, "std": (0.5,) * 3, "dtype": torch.float32},
+            "mean must be a sequence of finite numbers",
+        ),
+        ({"mean": "abc", "std": (0.5,) * 3, "dtype": torch.float32}, "mean must be a sequence of finite"),
+        ({"mean": (0.5,) * 3, "std": (float("nan"),) * 3, "dtype": torch.float32}, "std must be a sequence"),
         ({"channels_last": True}, r"channels_last needs size=\(H, W\)"),
         ({"on_error": "ignore"}, "on_error must be 'raise' or 'skip', got 'ignore'"),
         ({"prefetch": 0}, "prefetch must be at least 1"),

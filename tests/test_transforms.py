@@ -422,3 +422,10 @@ def test_normalize_refuses_an_image_without_channels() -> None:
     """A (H, W) tensor came back (C, H, W), broadcast against the (C, 1, 1) constants."""
     with pytest.raises(ValueError, match=r"\(\.\.\., C, H, W\), got shape \(4, 5\)"):
         Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))(torch.rand(4, 5))
+
+
+@pytest.mark.parametrize(("mean", "std"), [(0.5, (0.2,)), ((0.5,), (float("inf"),)), ((0.5, 0.4), (0.2,))])
+def test_normalize_checks_its_values_when_built(mean: object, std: object) -> None:
+    with pytest.raises(ValueError, match=r"(mean|std) (must|need)"):
+        Normalize(mean, std)  # type: ignore[arg-type]
+    assert Normalize(np.array([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.2, 0.2])).mean == (0.5, 0.4, 0.3)

@@ -15,7 +15,15 @@ import torch
 
 from .decode.base import Region
 from .transforms._kernels import resample
-from .transforms.functional import Images, normalize, resample_many, resize, resize_many, to_dtype
+from .transforms.functional import (
+    Images,
+    normalization,
+    normalize,
+    resample_many,
+    resize,
+    resize_many,
+    to_dtype,
+)
 
 __all__ = ["FLOAT_DTYPES", "OutputFormat"]
 
@@ -55,13 +63,12 @@ class OutputFormat:
                 raise ValueError(
                     "mean/std need a float dtype (e.g. dtype=torch.float32): uint8 cannot hold them"
                 )
-            for name, values in (("mean", self.mean), ("std", self.std)):
+            mean, std = normalization(self.mean, self.std)
+            for name, values in (("mean", mean), ("std", std)):
                 if len(values) != 3:
                     raise ValueError(f"{name} needs one value per RGB channel, got {values!r}")
-            if any(s == 0 for s in self.std):
-                raise ValueError(f"std must not contain zeros, got {self.std!r}")
-            object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
-            object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+            object.__setattr__(self, "mean", mean)
+            object.__setattr__(self, "std", std)
         if self.channels_last and self.size is None:
             raise ValueError("channels_last needs size=(H, W): it is a layout of stacked 4-D batches")
 

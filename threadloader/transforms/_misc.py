@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._transform import Transform
-from .functional import normalize, to_dtype
+from .functional import normalization, normalize, to_dtype
 
 __all__ = ["Normalize", "ToDtype"]
 
@@ -17,10 +17,7 @@ class Normalize(Transform):
     """``(image - mean) / std`` per channel, on float images."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
-        if any(s == 0 for s in std):
-            raise ValueError(f"std must not contain zeros, got {std!r}")
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
+        self.mean, self.std = normalization(mean, std)
 
     def apply(self, images: torch.Tensor, params: Any) -> torch.Tensor:
         """Normalizes ``images``."""

@@ -8,6 +8,8 @@ these; the output format (``threadloader._output``) calls them too.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -23,6 +25,7 @@ __all__ = [
     "center_crop",
     "horizontal_flip",
     "horizontal_flip_rows",
+    "normalization",
     "normalize",
     "resample_many",
     "resize",
@@ -130,6 +133,30 @@ def normalize(
     if inplace:
         return images.sub_(mean_t).div_(std_t)
     return (images - mean_t) / std_t
+
+
+def normalization(mean: object, std: object) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``mean`` and ``std`` as tuples of floats, one per channel, checked: what ``normalize`` takes.
+
+    Raises:
+        ValueError: Naming which is not a sequence of finite numbers, or a ``std`` with a zero.
+    """
+    checked = []
+    for name, values in (("mean", mean), ("std", std)):
+        try:
+            if isinstance(values, str | bytes | numbers.Number):
+                raise TypeError
+            floats = tuple(float(value) for value in values)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            floats = ()
+        if not floats or not all(math.isfinite(value) for value in floats):
+            raise ValueError(f"{name} must be a sequence of finite numbers, one per channel, got {values!r}")
+        checked.append(floats)
+    if len(checked[0]) != len(checked[1]):
+        raise ValueError(f"mean and std need one value per channel each, got {mean!r} and {std!r}")
+    if 0 in checked[1]:
+        raise ValueError(f"std must not contain zeros, got {std!r}")
+    return checked[0], checked[1]
 
 
 @lru_cache(maxsize=64)
