@@ -917,7 +917,7 @@ def test_size_none_keeps_each_original_size() -> None:
         ({"num_threads": 2.0}, r"num_threads must be an int or None, got 2\.0 \(float\)"),
         ({"dtype": torch.int32}, "dtype must be torch.uint8 or a float type"),
         ({"backend": "hardware", "device": "cpu"}, "backend='hardware' selects an nvImageCodec backend"),
-        ({"backend": "cuda"}, "with device='cpu' Pillow decodes"),
+        ({"backend": "cuda", "device": "cpu"}, "with device='cpu' Pillow decodes"),
         ({"backend": "bogus", "device": "cpu"}, "backend must be one of"),
         ({"device": "meta"}, "device must be 'cpu' or a CUDA device"),
         # Each was torch's or Python's own error, naming nothing (or accepted: prefetch=1.5, True).
@@ -1286,4 +1286,14 @@ def test_decode_batch_size_below_the_batch_says_what_the_calls_get(blobs: list[b
     assert loader.decode_batch_size == 4
     assert sum(len(images) for images, _ in loader) == 8
     assert calls == [4, 4]
+    loader.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device=None on a machine without a usable GPU")
+def test_a_gpu_backend_is_ignored_where_device_none_finds_no_gpu(blobs: list[bytes]) -> None:
+    """A script written for a GPU (backend="cuda") failed on a machine without one, where the other GPU
+    options (gpu_decoders, jpeg_fancy_upsampling) are ignored."""
+    loader = ThreadLoader(blobs[:2], batch_size=2, backend="cuda", gpu_decoders=3)
+    assert loader.device == torch.device("cpu")
+    assert sum(len(images) for images, _ in loader) == 2
     loader.close()

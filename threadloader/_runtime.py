@@ -170,7 +170,9 @@ def build_decoder(options: Options, device: torch.device, *, threads: int, batch
     of ``batch`` images.
     """
     if device.type == "cpu":
-        if options.backend != DEFAULTS.backend:
+        # With device=None (no usable GPU here) it is ignored, as the other GPU options are: a script
+        # written for a GPU runs where there is none. Asked for with device="cpu", it is a mistake.
+        if options.backend != DEFAULTS.backend and options.device is not None:
             raise ValueError(
                 f"backend={options.backend!r} selects an nvImageCodec backend; with device='cpu' Pillow "
                 "decodes"

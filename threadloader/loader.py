@@ -47,7 +47,8 @@ class _DefaultBatchSize(int):
     """The default ``batch_size``, told apart from an explicit one by identity.
 
     Next to a ``batch_sampler``, which decides batch sizes, the default means "unset" and any explicit
-    ``batch_size`` is refused, as ``DataLoader`` does; as an int it shows as 32 in the signature.
+    ``batch_size`` is refused (``DataLoader`` refuses any but its default, 1); as an int it shows as 32
+    in the signature.
     """
 
 
@@ -108,7 +109,8 @@ class ThreadLoader:
             decoder but the JPEG engine: JPEGs on nvJPEG's CUDA decoder), ``"split"`` (the JPEG engine
             takes a fixed share of each batch, the CUDA decoder the rest, at once, as DALI's decoder
             does), ``"hardware"`` (the JPEG engine), ``"hybrid"`` (nvJPEG's CUDA decoder alone) or
-            ``"cpu"`` (nvImageCodec's CPU decoder).
+            ``"cpu"`` (nvImageCodec's CPU decoder). Refused with ``device="cpu"``; ignored where
+            ``device=None`` finds no usable GPU.
         decode_threads: nvImageCodec's own CPU threads per Decoder; default: the cores the readers leave
             free, shared by the Decoders they decode on at once (``gpu_decoders``, at most one per
             reader).
