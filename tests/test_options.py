@@ -77,6 +77,8 @@ def test_the_defaults_derive_what_the_user_left_unset(monkeypatch: pytest.Monkey
         ({"num_threads": 0}, ValueError, "num_threads must be at least 1, got 0"),
         ({"jpeg_fancy_upsampling": 1}, TypeError, "jpeg_fancy_upsampling must be True or False, got 1"),
         ({"region_decode": "no"}, TypeError, "region_decode must be True, False or None, got 'no'"),
+        ({"region_decode": 1.0}, TypeError, "region_decode must be True, False or None, got 1.0"),
+        ({"channels_last": "no", "size": (8, 8)}, TypeError, "channels_last must be True or False, got 'no'"),
         ({"transform": "flip"}, TypeError, "str is not a threadloader transform"),
     ],
 )

@@ -91,7 +91,7 @@ class Options:
             decode_threads=self.decode_threads,
             jpeg_fancy_upsampling=self.jpeg_fancy_upsampling,
         )
-        if self.region_decode not in (None, True, False):
+        if not (self.region_decode is None or isinstance(self.region_decode, bool)):  # 1.0 == True
             raise TypeError(f"region_decode must be True, False or None, got {self.region_decode!r}")
         if self.decoder is not None:
             if not isinstance(self.decoder, ImageDecoder):

@@ -69,6 +69,8 @@ class OutputFormat:
                     raise ValueError(f"{name} needs one value per RGB channel, got {values!r}")
             object.__setattr__(self, "mean", mean)
             object.__setattr__(self, "std", std)
+        if not isinstance(self.channels_last, bool):  # "no" would turn it on
+            raise TypeError(f"channels_last must be True or False, got {self.channels_last!r}")
         if self.channels_last and self.size is None:
             raise ValueError("channels_last needs size=(H, W): it is a layout of stacked 4-D batches")
 
