@@ -110,3 +110,56 @@ def _has_fsspec() -> bool:
     except ImportError:
         return False
     return True
+
+
+class _Store(Deferred):
+    """A user's Deferred whose read fails one way or another."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+
+    @property
+    def origin(self) -> str:
+        return "store:key"
+
+    def read(self) -> bytes:
+        return self._read()
+
+
+def _missing_module() -> bytes:
+    import not_a_module_of_this_test  # type: ignore[import-not-found]  # noqa: F401
+
+    return b""
+
+
+@pytest.mark.parametrize(
+    ("read", "reason"),
+    [
+        (_missing_module, "ModuleNotFoundError: No module named 'not_a_module_of_this_test'"),
+        (lambda: None, "_Store.read() returned NoneType, not bytes"),
+    ],
+)
+def test_what_a_deferreds_read_raises_or_returns_wrong_is_its_samples_read_error(
+    read: Any, reason: str
+) -> None:
+    """An ImportError ended the pass (only fsspec's, for URLs, should), and a read that returned None
+    failed in the decoder ("object of type 'NoneType' has no len()")."""
+    good = encode(photo(H, W), "PNG")
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader([InMemory(good), _Store(read)], batch_size=2, device="cpu"))
+    assert (info.value.index, info.value.stage, info.value.origin) == (1, "read", "store:key")
+    assert reason in info.value.reason
+    skipping = ThreadLoader([InMemory(good), _Store(read)], batch_size=2, device="cpu", on_error="skip")
+    ((images, _),) = list(skipping)
+    assert len(images) == 1
+
+
+def test_a_memoryviews_size_is_its_bytes() -> None:
+    """len() of a memoryview of 4-byte items counted items: "<10 bytes in memory>" for 40 bytes."""
+    import array
+
+    data = memoryview(array.array("I", range(10)))
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader([data], batch_size=1, device="cpu"))
+    assert info.value.origin == "<40 bytes in memory>"
+    assert "(40 bytes starting" in info.value.reason

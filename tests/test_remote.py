@@ -377,3 +377,16 @@ def test_a_thread_resolves_a_filesystem_once(monkeypatch: pytest.MonkeyPatch) ->
     thread.start()
     thread.join()
     assert calls == ["memory://once/0.jpg", "memory://once/0.jpg", "simplecache::memory://once/0.jpg"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_file_url_of_a_fifo_is_its_samples_read_error(tmp_path: Path) -> None:
+    """fsspec opened it for reading, which waits for a writer forever: the reader thread, and the
+    process's exit behind it, hung (a plain path was refused already)."""
+    pipe = tmp_path / "pipe.jpg"
+    os.mkfifo(pipe)
+    url = pipe.as_uri()
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader([url], batch_size=1, device="cpu"))
+    assert (info.value.stage, info.value.origin) == ("read", url)
+    assert "not a regular file" in info.value.reason

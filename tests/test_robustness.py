@@ -485,3 +485,25 @@ def test_symlinked_folders_are_followed_once_and_loops_reported(
     assert [(os.path.relpath(path, root), target) for path, target in folder.samples] == expected
     loops = sorted(record.getMessage() for record in caplog.records if "symlink loop" in record.getMessage())
     assert len(loops) == 2 and repr(str(root / "cat" / "everything")) in loops[0]
+
+
+def test_a_class_folder_that_links_to_the_root_is_no_class(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only links inside the class folders were checked: a class folder linking to the root filed every
+    image again under its own label."""
+    root = tmp_path / "root"
+    for name in ("cat/a.jpg", "dog/d.jpg"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(GOOD[0])
+    (root / "zz_all").symlink_to(root)
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        folder = ImageFolder(root)
+    assert folder.classes == ["cat", "dog"]
+    assert [(os.path.relpath(path, root), target) for path, target in folder.samples] == [
+        ("cat/a.jpg", 0),
+        ("dog/d.jpg", 1),
+    ]
+    assert any(
+        "symlink loop" in record.getMessage() and "zz_all" in record.getMessage() for record in caplog.records
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -82,8 +83,16 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
 
 
 def read_url(url: str) -> bytes:
-    """The whole file at ``url``, in one stateless call (safe from any thread)."""
+    """The whole file at ``url``, in one stateless call (safe from any thread).
+
+    Raises:
+        OSError: For a ``file://`` URL of something other than a regular file: a FIFO's read would
+            wait for a writer forever, with the reader thread and the process's exit behind it.
+    """
     fs, path = filesystem(url)
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    if "file" in protocols and not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"not a regular file (a FIFO, a socket or a device): {url}")
     return bytes(fs.cat_file(path))
 
 

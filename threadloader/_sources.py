@@ -113,7 +113,7 @@ def origin_of(data: Encoded) -> str:
         return data.origin  # type: ignore[union-attr]
     if isinstance(data, (str, os.PathLike)):
         return os.fspath(data)
-    return f"<{len(data)} bytes in memory>"  # type: ignore[arg-type]
+    return f"<{memoryview(data).nbytes} bytes in memory>"  # type: ignore[arg-type]  # not items
 
 
 class ImageFolder:
@@ -137,7 +137,7 @@ class ImageFolder:
         if not self.root.is_dir():
             raise NotADirectoryError(f"ImageFolder root {str(self.root)!r} is not a directory")
         with os.scandir(self.root) as scan:
-            self.classes = sorted(entry.name for entry in scan if _is_folder(entry))
+            self.classes = sorted(entry.name for entry in scan if _is_folder(entry) and not _loops(entry))
         if not self.classes:
             raise FileNotFoundError(
                 f"no class sub-folders in {str(self.root)!r}: a directory source must hold one folder per "
@@ -209,13 +209,7 @@ def _image_files(top: str) -> list[str]:
         folders = []
         for entry in entries:
             if _is_folder(entry):
-                if entry.is_symlink() and _links_to_ancestor(entry.path):
-                    logger.warning(
-                        "symlink loop: %r leads to %r, a folder it is inside; not followed",
-                        entry.path,
-                        os.path.realpath(entry.path),
-                    )
-                else:
+                if not _loops(entry):
                     folders.append(entry.path)
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
                 (files if _is_regular(entry) else others).append(entry.path)
@@ -230,9 +224,15 @@ def _image_files(top: str) -> list[str]:
     return files
 
 
-def _links_to_ancestor(path: str) -> bool:
-    target = os.path.realpath(path)
-    return os.path.commonpath([target, os.path.realpath(os.path.dirname(path))]) == target
+def _loops(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a link to a folder it is inside (the root too), said in a warning if so."""
+    if not entry.is_symlink():
+        return False
+    target = os.path.realpath(entry.path)
+    if os.path.commonpath([target, os.path.realpath(os.path.dirname(entry.path))]) != target:
+        return False
+    logger.warning("symlink loop: %r leads to %r, a folder it is inside; not followed", entry.path, target)
+    return True
 
 
 def as_source(source: object) -> Source:
@@ -341,12 +341,7 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]
         elif kind == _PATH:
             blobs.append(_read_file(index, data))  # type: ignore[arg-type]
         else:
-            try:
-                blobs.append(data.read())  # type: ignore[union-attr]
-            except ImportError:
-                raise
-            except Exception as exc:  # fsspec back ends raise their own types (aiohttp, botocore, ...)
-                blobs.append(_error(exc, index, data.origin, "read"))  # type: ignore[union-attr]
+            blobs.append(_read_deferred(index, data))  # type: ignore[arg-type]
     return blobs
 
 
@@ -374,6 +369,25 @@ def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
         stage="read",
         reason=f"not a regular file ({_file_kind(status.st_mode)}): only regular files are read",
     )
+
+
+def _read_deferred(index: int, data: Deferred) -> bytes | SampleError:
+    """A :class:`Deferred`'s bytes, or its sample's read error: anything ``read`` raises, or a non-bytes.
+
+    A ``RemoteFile``'s ``ImportError`` (fsspec missing) is raised on: every URL would fail alike.
+    """
+    try:
+        blob = data.read()
+    except ImportError as exc:
+        if isinstance(data, RemoteFile):
+            raise
+        return _error(exc, index, data.origin, "read")
+    except Exception as exc:  # fsspec back ends raise their own types (aiohttp, botocore, ...)
+        return _error(exc, index, data.origin, "read")
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        got = TypeError(f"{type(data).__name__}.read() returned {type(blob).__name__}, not bytes")
+        return _error(got, index, data.origin, "read")
+    return blob  # type: ignore[return-value]
 
 
 def _error(exc: Exception, index: int, origin: str, stage: str) -> SampleError:

@@ -93,7 +93,8 @@ def _open(data: Encoded) -> Image.Image:
     except UnidentifiedImageError:
         # Pillow's message names the BytesIO by its repr, a heap address: say what was given instead.
         raise UnidentifiedImageError(
-            f"cannot identify image file ({len(data)} bytes starting {bytes(data[:8])!r}): not a format "
+            f"cannot identify image file ({memoryview(data).nbytes} bytes starting {bytes(data)[:8]!r}): "
+            "not a format "
             "Pillow reads, or its header is damaged"
         ) from None
 
