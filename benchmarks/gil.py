@@ -29,6 +29,7 @@ rather than 0 images/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import sys
 import threading
@@ -140,18 +141,25 @@ def _threadloader(
     root: Path, device: str, batch_size: int, engine: str | None
 ) -> Callable[[threading.Event, Background], None]:
     def run(stop: threading.Event, counter: Background) -> None:
+        # Batches are taken on a stream of this thread's own, and waited for there, as the decode
+        # background waits for its own: taken on the default stream, they made the main thread's ops,
+        # queued on that stream too, wait for every batch, a delay the GIL had no part in.
+        side = torch.cuda.Stream() if device == "cuda" else None
         work = loaders.Work(OUTPUT_SIZE[SET], batch_size, device, normalize=True)
-        stream = loaders.threadloader(root, work, num_threads=None, channels_last=True, engine=engine)
-        try:
-            # The first batch is the start-up's; the stream hands the next one once the loader is past
-            # its CPU start (loaders.past_the_cpu_start), so counting from it starts the windows there.
-            next(stream)
-            for images, _ in stream:
-                counter.images += images.shape[0]
-                if stop.is_set():
-                    break
-        finally:
-            stream.close()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            stream = loaders.threadloader(root, work, num_threads=None, channels_last=True, engine=engine)
+            try:
+                # The first batch is the start-up's; the stream hands the next one once the loader is
+                # past its CPU start (loaders.past_the_cpu_start), so counting from it starts the windows.
+                next(stream)
+                for images, _ in stream:
+                    if side is not None:
+                        side.synchronize()  # one wait a batch, so the queue stays short
+                    counter.images += images.shape[0]
+                    if stop.is_set():
+                        break
+            finally:
+                stream.close()
 
     return run
 
@@ -168,7 +176,7 @@ def op_loop(ops: str, seconds: float) -> tuple[int, float]:
         if time.perf_counter() >= deadline:
             break
     if ops == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # its own ops, not the background's work
     return count, time.perf_counter() - started
 
 

@@ -171,6 +171,7 @@ def measure(case: Case, *, device: str, warmup: int, batches: int) -> Row:
     """
     row = Row(name=case.name, loader=case.loader, batch_size=case.batch_size, pid=os.getpid())
     common.release(device)
+    loaders.preload(case.loader)  # imports are no one's start-up
     stream = case.make()
     memory = DeviceMemory(device)
 

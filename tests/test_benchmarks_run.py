@@ -244,3 +244,25 @@ def test_a_training_rows_startup_is_its_first_batch_without_a_step(monkeypatch: 
     assert row.startup_s is not None and row.startup_s < 0.1
     assert len(steps) == 1 + 1 + 2 + 1  # the baseline, the first batch's, the warm-up, the window
     assert row.device_wait_frac == []  # the GPU's wait: CUDA rows only
+
+
+def test_a_rows_imports_are_no_part_of_its_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ThreadLoader's package is imported with the benchmarks; DALI's and nvImageCodec's rows imported
+    theirs inside the timed first batch (its import here: a quarter of a second)."""
+    import importlib
+
+    import torch
+
+    from benchmarks import loaders, run
+
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(0.25)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(loaders.IMPORTS, "slow", ("slow_to_import",))
+
+    def batches() -> Any:
+        importlib.import_module("slow_to_import")  # as the DALI row imports DALI when it builds
+        while True:
+            yield torch.zeros(2, 3, 4, 4), torch.zeros(2)
+
+    row = run.measure(run.Case("slow", "slow", 2, batches), device="cpu", warmup=1, batches=2)
+    assert row.startup_s is not None and row.startup_s < 0.2
