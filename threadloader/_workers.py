@@ -333,7 +333,9 @@ class OrderedPool(Generic[T]):
                         del value
                 if self._end is not None and self._handed >= self._end:
                     raise StopIteration
-                if not any(thread.is_alive() for thread in self._group.threads):
+                # Threads the group's cancel stopped before it shut the pool: its error comes next.
+                cancelled = self._group.cancelled.is_set()
+                if not cancelled and not any(thread.is_alive() for thread in self._group.threads):
                     raise RuntimeError("all reader threads ended without producing the next batch")
                 self._cv.wait(POLL)
             error = self._closed_error
