@@ -980,3 +980,16 @@ def test_numpy_numbers_are_milliseconds() -> None:
     """max_delay_ms=np.float32(1) was "not a finite number", where counts take numpy's integers."""
     with MicroBatcher(lambda items: items, max_delay_ms=np.float32(1), max_batch=np.int64(4)) as batcher:
         assert batcher.submit(5).result(5) == 5
+
+
+def test_a_numpy_timeout_waits_as_a_float() -> None:
+    """Under 3.13 a lock's wait refuses a numpy float32, which killed a worker given max_delay_ms as
+    one (test_numpy_numbers_are_milliseconds); a timeout is made a float as well."""
+    gate = threading.Event()
+    with MicroBatcher(lambda items: (gate.wait(5), items)[1], max_queue=1, max_delay_ms=0) as batcher:
+        batcher.submit(1)
+        time.sleep(0.2)  # the worker holds it; the next fills the queue
+        batcher.submit(2)
+        with pytest.raises(QueueFullError):
+            batcher.submit(3, timeout=np.float32(0.05))
+        gate.set()

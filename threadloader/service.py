@@ -118,14 +118,18 @@ class _Batching(Generic[T, R]):
         max_queue: int,
         when_full: WhenFull,
     ) -> None:
-        self.device, self.num_threads = device, num_threads
-        self.max_batch = max_batch
+        # Plain Python numbers from here on: 3.13's lock waits refuse a numpy float32 timeout.
+        self.device, self.num_threads = device, int(num_threads)
+        self.max_batch = int(max_batch)
         self.max_delay_ms = float(max_delay_ms)
-        self.max_queue = max_queue
+        self.max_queue = int(max_queue)
         self.when_full: WhenFull = when_full
         self._metrics = metrics
         self._queue = RequestQueue(
-            capacity=max_queue, max_batch=max_batch, max_delay=max_delay_ms / 1000, owner=type(self).__name__
+            capacity=self.max_queue,
+            max_batch=self.max_batch,
+            max_delay=self.max_delay_ms / 1000,
+            owner=type(self).__name__,
         )
         # The workers see the queue and the runner, never the service: dropping it runs its finalizer.
         # Interpreter exit cancels the group: queued requests are cancelled, batches being run stop at
@@ -165,7 +169,7 @@ class _Batching(Generic[T, R]):
     def _wait(self, timeout: float | None) -> float | None:
         if timeout is not None and not (_is_number(timeout) and timeout >= 0):  # NaN: a caller spinning
             raise ValueError(f"timeout must be None or a number of seconds, 0 or more, got {timeout!r}")
-        return timeout if self.when_full == "block" else 0.0
+        return (None if timeout is None else float(timeout)) if self.when_full == "block" else 0.0
 
     def _checked(self, data: T) -> T:
         return data
