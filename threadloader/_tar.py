@@ -422,7 +422,7 @@ class TarShards:
         self.index_seconds = time.perf_counter() - started
         if target == "auto":
             # A .cls member counts though it cannot be read (truncated): its sample's error says why.
-            has_cls = any(raw is not None or shard.problems for shard in self._index for raw in shard.targets)
+            has_cls = any(s.problems or any(t is not None for t in s.targets) for s in self._index)
             target = "cls" if has_cls else None
         self.target: str | None = target
         self.target_key = target_key
