@@ -262,6 +262,31 @@ def proc_stat(path: Path) -> tuple[list[str], float] | None:
     return fields, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+THREAD_STATUS = Path("/proc/thread-self/status")
+"""The calling thread's status (Linux); a module constant so that tests can point it elsewhere."""
+
+
+def context_switches() -> tuple[int, int] | None:
+    """The calling thread's voluntary and involuntary context switches so far, from /proc (Linux).
+
+    They tell why a thread runs slower than alone: voluntary ones, that it blocked (the GIL, a lock,
+    I/O); involuntary ones, that the kernel preempted it for another thread (cores oversubscribed).
+    ``None`` where the file cannot be read or lacks the counts (not Linux).
+    """
+    try:
+        text = THREAD_STATUS.read_text()
+    except OSError:
+        return None
+    counts = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+            counts[key] = int(value)
+    if len(counts) != 2:
+        return None
+    return counts["voluntary_ctxt_switches"], counts["nonvoluntary_ctxt_switches"]
+
+
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """CPU seconds of each thread of this process, with its name, from /proc (Linux)."""
     seconds = {}

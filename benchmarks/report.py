@@ -408,6 +408,34 @@ def training_table(found: list[ResultFile], *, page: bool = False) -> list[str]:
     return [*table(header, body), *sources] if page else [*sources, *table(header, body)]
 
 
+def main_thread_table(found: list[ResultFile]) -> list[str]:
+    """Where the step's thread went, per row that measured it: blocked, preempted, or on a core.
+
+    Against the fixed-input row of the same file: more voluntary switches per step say the step waited
+    (for the GIL, a lock), more involuntary ones that it was preempted (cores oversubscribed).
+    """
+    measures = (
+        ("ms_per_step", ".1f"),
+        ("main_cpu_ms_per_step", ".1f"),
+        ("main_voluntary_per_step", ".1f"),
+        ("main_involuntary_per_step", ".1f"),
+        ("process_cores", ".1f"),
+    )
+    header = ["file", "step", "pipeline", "loader", "ms/step", "main thread CPU ms/step"]
+    header += ["voluntary switches/step", "involuntary switches/step", "process cores"]
+    body = []
+    for label, result in zip(labels(found), found, strict=True):
+        for row in result.rows:
+            if row["status"] != "ok" or not row.get("main_cpu_ms_per_step"):
+                continue
+            cells = []
+            for name, spec in measures:
+                windows = Spread.of(row.get(name) or [])
+                cells.append(number(windows.median if windows else None, spec))
+            body.append([label, *training_key(row), *cells])
+    return ["", *table(header, body)] if body else []
+
+
 def training_chart(found: list[ResultFile]) -> Draw:
     """One panel per step kind; a bar per loader row and file, the fixed input as a dashed line."""
 
@@ -518,7 +546,7 @@ def training(results: Path, charts: bool) -> list[str]:
         return no_results("training*.json")
     draw = training_chart(found) if charts else None
     chart = image(results, "training", "training step beside each loader", draw)
-    return [*training_table(found, page=True), *chart]
+    return [*training_table(found, page=True), *main_thread_table(found), *chart]
 
 
 def gil(results: Path, charts: bool) -> list[str]:

@@ -87,6 +87,13 @@ class TrainingRow:
     #: Host seconds blocked in next() per window, over its wall time; device_wait_frac: the GPU's wait
     #: for the batches over it (common.take), CUDA rows only.
     device_wait_frac: list[float] = field(default_factory=list)
+    #: Per step, the main (step's) thread's CPU ms (on CUDA, the sync's spin too) and its voluntary
+    #: (blocked: GIL, locks) and involuntary (preempted) context switches, these empty off Linux.
+    main_cpu_ms_per_step: list[float] = field(default_factory=list)
+    main_voluntary_per_step: list[float] = field(default_factory=list)
+    main_involuntary_per_step: list[float] = field(default_factory=list)
+    #: This process's CPU seconds (all its threads, no DataLoader workers) over the window's wall ones.
+    process_cores: list[float] = field(default_factory=list)
     startup_s: float | None = None  # building the loader and its first batch's data, the pause left out
     build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
     first_batch_s: float | None = None  # after the pause, to the first batch's data ready
@@ -180,7 +187,7 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
         else:
             for window in range(args.windows):
                 _window(row, stream, step, args.steps, args.device)
-                _progress(f"window {window + 1}: {row.images_per_s[-1]:,.0f} img/s")
+                _progress(f"window {window + 1}: {row.images_per_s[-1]:,.0f} img/s, {_diagnostics(row)}")
         row.extra_device_mb = memory.stop()
         if device == "cuda":
             row.extra_torch_peak_mb = (torch.cuda.max_memory_allocated() - step_peak) / 2**20
@@ -194,15 +201,38 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
 
 
 def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int, device: str) -> None:
+    """One timed window of ``steps`` steps, run in the calling (main) thread; appends its values."""
     on_device: list[float] | None = [] if device == "cuda" else None
-    started = time.perf_counter()
+    switches = common.context_switches()
+    started = time.perf_counter()  # the wall clock outermost: no CPU time read outside it
+    thread_cpu, process_cpu = time.thread_time(), time.process_time()
     images, waited = common.take(stream, step, steps, on_device=on_device)
+    thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
     wall = time.perf_counter() - started
+    switched = common.context_switches()
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
     row.data_wait_frac.append(waited / wall)
     if on_device:
         row.device_wait_frac.append(on_device[0] / wall)
+    row.main_cpu_ms_per_step.append(1000 * thread_cpu / steps)
+    row.process_cores.append(process_cpu / wall)
+    if switches is not None and switched is not None:
+        row.main_voluntary_per_step.append((switched[0] - switches[0]) / steps)
+        row.main_involuntary_per_step.append((switched[1] - switches[1]) / steps)
+
+
+def _diagnostics(row: TrainingRow) -> str:
+    """The last window's main thread and process CPU, for its progress line."""
+    switches = (
+        f"{row.main_voluntary_per_step[-1]:.1f} vol + {row.main_involuntary_per_step[-1]:.1f} invol "
+        "switches/step"
+        if row.main_voluntary_per_step
+        else "switches unknown"
+    )
+    return (
+        f"main {row.main_cpu_ms_per_step[-1]:.1f} ms CPU/step, {switches}, {row.process_cores[-1]:.1f} cores"
+    )
 
 
 def _profile(row: TrainingRow, stream: Iterator[Batch], step: Step, args: argparse.Namespace) -> None:

@@ -150,3 +150,27 @@ def test_the_gpus_data_wait_stands_beside_the_hosts(tmp_path: Path) -> None:
     (tmp_path / "training.json").write_text(json.dumps(data))
     text = "\n".join(report.training_table(report.load(tmp_path, "training*.json")))
     assert "| 2% (GPU 12%) |" in text
+
+
+def test_main_thread_table_shows_each_measuring_rows_median_window(tmp_path: Path) -> None:
+    shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
+    data = json.loads((tmp_path / "training.json").read_text())
+    measured = next(r for r in data["rows"] if r["status"] == "ok" and r["spec"]["loader"] == "threadloader")
+    measured |= {
+        "ms_per_step": [30.0, 50.0, 35.0],
+        "main_cpu_ms_per_step": [20.0, 29.0, 21.0],
+        "main_voluntary_per_step": [50.0, 90.0, 60.0],
+        "main_involuntary_per_step": [1.0, 9.0, 3.0],
+        "process_cores": [4.0, 9.0, 5.0],
+    }
+    (tmp_path / "training.json").write_text(json.dumps(data))
+    lines = report.main_thread_table(report.load(tmp_path, "training*.json"))
+    spec = measured["spec"]
+    body = [line for line in lines if line.startswith("| Python")]
+    # Only the row that measured them, each value its median over the windows.
+    expected = f"| Python 3.12.3 | {spec['kind']} | {spec['pipeline']} | ThreadLoader, capi "
+    assert body == [expected + "| 35.0 | 21.0 | 60.0 | 3.0 | 5.0 |"]
+
+
+def test_no_main_thread_table_for_files_without_the_measures() -> None:
+    assert report.main_thread_table(report.load(report.RESULTS, "training.json")) == []

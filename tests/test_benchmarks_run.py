@@ -246,6 +246,107 @@ def test_a_training_rows_startup_is_its_first_batch_without_a_step(monkeypatch: 
     assert row.device_wait_frac == []  # the GPU's wait: CUDA rows only
 
 
+LINUX_STATUS = Path("/proc/thread-self/status").is_file()
+
+
+def _training_args(**sizes: Any) -> Any:
+    import argparse
+
+    values = dict(device="cpu", batch_size=2, startup_pause=0.0, warmup=1, windows=2, steps=4, profile=None)
+    return argparse.Namespace(**(values | {"workers": 1} | sizes))
+
+
+def test_a_training_windows_main_thread_cpu_and_switches_are_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that sleeps 10 ms (one voluntary switch), then spins for 10 ms of its CPU time."""
+    import time
+
+    from benchmarks import training
+
+    def make_step(**_: Any) -> Any:
+        def step(batch: Any) -> None:
+            time.sleep(0.01)
+            end = time.thread_time() + 0.01  # CPU time: preempted or not
+            while time.thread_time() < end:
+                pass
+
+        return step
+
+    monkeypatch.setattr(training, "make_step", make_step)
+    row = training.measure(training.RowSpec(kind="eager", loader="fixed_input"), _training_args())
+    assert row.status == "ok", row.reason
+    assert len(row.main_cpu_ms_per_step) == len(row.process_cores) == 2
+    for cpu, wall, cores in zip(row.main_cpu_ms_per_step, row.ms_per_step, row.process_cores, strict=True):
+        assert 10 <= cpu <= wall - 9, (cpu, wall)  # the spin counts, the sleep does not
+        assert cores >= 0.95 * cpu / wall, (cores, cpu, wall)  # the process's CPU includes the thread's
+    if LINUX_STATUS:
+        assert len(row.main_voluntary_per_step) == len(row.main_involuntary_per_step) == 2
+        assert all(1 <= v <= 3 for v in row.main_voluntary_per_step), row.main_voluntary_per_step
+        assert all(v >= 0 and (v * 4).is_integer() for v in row.main_involuntary_per_step)
+
+
+def test_a_training_rows_diagnostics_beside_the_threadloader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row's own process (``--row``), in-process: its JSON carries one value of each per window."""
+    _needs_data_set()
+    from benchmarks import training
+
+    spec = training.RowSpec("eager", "threadloader", "resize")
+    argv = ["--quick", "--device", "cpu", "--data-root", str(tmp_path / "data")]
+    training.main([*argv, "--row", json.dumps(asdict(spec))])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["status"] == "ok", row
+    windows, steps = len(row["ms_per_step"]), 2  # --quick's
+    assert windows == 3
+    for cpu, wall, cores in zip(
+        row["main_cpu_ms_per_step"], row["ms_per_step"], row["process_cores"], strict=True
+    ):
+        assert 0 < cpu <= 1.02 * wall, (cpu, wall)  # a thread uses no more CPU than wall time
+        assert cores >= 0.95 * cpu / wall, (cores, cpu, wall)  # the readers' CPU on top of the step's
+    switches = row["main_voluntary_per_step"], row["main_involuntary_per_step"]
+    for values in switches:
+        assert len(values) == (windows if LINUX_STATUS else 0), values
+        assert all(v >= 0 and (v * steps).is_integer() for v in values), values
+
+
+def test_an_old_training_row_reads_with_no_diagnostics() -> None:
+    from benchmarks.training import TrainingRow
+
+    row = TrainingRow.from_json({"spec": {"kind": "eager", "loader": "fixed_input"}, "ms_per_step": [4.0]})
+    assert row.main_cpu_ms_per_step == row.main_voluntary_per_step == row.process_cores == []
+    assert row.main_involuntary_per_step == []
+
+
+@pytest.mark.skipif(not LINUX_STATUS, reason="/proc/thread-self/status: Linux only")
+def test_context_switches_count_a_sleep_as_voluntary() -> None:
+    import time
+
+    before = common.context_switches()
+    time.sleep(0.01)
+    after = common.context_switches()
+    assert before is not None and after is not None
+    assert after[0] >= before[0] + 1 and after[1] >= before[1], (before, after)
+
+
+def test_no_context_switches_without_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Linux the counts are None, and a training row keeps its other values, its switches empty."""
+    from benchmarks import training
+
+    monkeypatch.setattr(common, "THREAD_STATUS", tmp_path / "missing")
+    assert common.context_switches() is None
+    (tmp_path / "status").write_text("Name:\tpython\nvoluntary_ctxt_switches:\t3\n")
+    monkeypatch.setattr(common, "THREAD_STATUS", tmp_path / "status")
+    assert common.context_switches() is None  # one count of two
+    monkeypatch.setattr(common, "THREAD_STATUS", tmp_path / "missing")
+    monkeypatch.setattr(training, "make_step", lambda **_: lambda batch: None)
+    row = training.measure(training.RowSpec(kind="eager", loader="fixed_input"), _training_args(windows=1))
+    assert row.status == "ok", row.reason
+    assert row.main_voluntary_per_step == row.main_involuntary_per_step == []
+    assert len(row.main_cpu_ms_per_step) == len(row.process_cores) == 1
+
+
 def test_a_rows_imports_are_no_part_of_its_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ThreadLoader's package is imported with the benchmarks; DALI's and nvImageCodec's rows imported
     theirs inside the timed first batch (its import here: a quarter of a second)."""
