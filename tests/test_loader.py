@@ -1297,3 +1297,22 @@ def test_a_gpu_backend_is_ignored_where_device_none_finds_no_gpu(blobs: list[byt
     assert loader.device == torch.device("cpu")
     assert sum(len(images) for images, _ in loader) == 2
     loader.close()
+
+
+def test_a_sampler_of_float_indices_is_refused_as_dataloader_refuses_it(
+    indexed: list[tuple[bytes, int]],
+) -> None:
+    """int() made 1.7 sample 1; a list (DataLoader's dataset here) refuses a float index."""
+    with pytest.raises(TypeError):
+        next(iter(DataLoader(list(range(20)), batch_size=2, sampler=[0.0, 1.7])))
+    loader = ThreadLoader(indexed, batch_size=2, sampler=[0.0, 1.7], num_threads=1)
+    with pytest.raises(TypeError, match=r"sampler yielded 0\.0 \(float\): sample indices must be integers"):
+        epoch(loader)
+    batches = ThreadLoader(indexed, batch_sampler=[[np.int64(3), torch.tensor(4)]], num_threads=1)
+    assert epoch(batches) == [[3, 4]]  # integers of any kind
+
+
+def test_repr_of_a_loader_over_a_sampler_without_a_length(indexed: list[tuple[bytes, int]]) -> None:
+    loader = ThreadLoader(indexed, batch_size=2, sampler=(i for i in range(4)), num_threads=1)
+    assert "batches=unknown" in repr(loader)  # it raised TypeError: the sampler has no __len__
+    assert epoch(loader) == [[0, 1], [2, 3]]

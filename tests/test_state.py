@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -267,6 +268,42 @@ def test_a_sampler_epoch_the_user_sets_is_the_passs_epoch_unless_the_loader_is_t
         sampler.set_epoch(2)
         assert indices(loader) == order(2)
     assert order(3) != order(0)
+
+
+def test_a_sampler_whose_epoch_is_unreadable_keeps_the_users_set_epoch(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """A sampler that keeps its epoch under another name: the loader cannot see the user's
+    ``set_epoch``, so it must not overwrite it with its own count (it gave epochs 0, 1, 2 for 5, 6, 7);
+    the loader's own ``set_epoch`` is still forwarded."""
+
+    class Private:
+        def __init__(self) -> None:
+            self._epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self._epoch = epoch
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(order(self._epoch))
+
+        def __len__(self) -> int:
+            return N
+
+    def order(epoch: int) -> list[int]:  # the reference: a seeded permutation per epoch, in the test
+        return torch.randperm(N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+    def indices(loader: ThreadLoader) -> list[int]:
+        return [index for _, targets in take(loader) for index in targets]
+
+    sampler = Private()
+    with make(samples, shuffle=False, sampler=sampler, transform=None) as loader:
+        for epoch in (5, 6, 7):
+            sampler.set_epoch(epoch)
+            assert indices(loader) == order(epoch)
+        loader.set_epoch(2)
+        assert indices(loader) == order(2)
+    assert order(5) != order(0)
 
 
 def test_a_sampler_epoch_set_before_the_loader_is_built_is_the_first_passs(

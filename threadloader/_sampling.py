@@ -9,6 +9,7 @@ and it is ``DistributedSampler``'s permutation, so every rank of a job draws the
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Iterable, Iterator, Sized
 from itertools import chain, islice
 from typing import Any
@@ -93,10 +94,19 @@ class BatchPlan:
             "batch_sampler": _describe(self._batch_sampler),
         }
 
-    def set_epoch(self, epoch: int) -> None:
-        """Forwards the epoch to a sampler that wants it (``DistributedSampler`` and the like)."""
-        for obj in (self._sampler, self._batch_sampler):
-            if obj is not None and callable(getattr(obj, "set_epoch", None)):
+    def set_epoch(self, epoch: int, *, given: bool = True) -> None:
+        """Forwards the epoch to a sampler that wants it (``DistributedSampler`` and the like).
+
+        Args:
+            epoch: The pass's epoch.
+            given: Whether the loader was given it (its ``set_epoch``, a loaded state), not counted it.
+                A counted epoch goes only to samplers whose epoch the plan can read: on another, a
+                ``set_epoch`` of the user's could not be told apart from the count and would be lost.
+        """
+        readable = self._sampler_epochs()
+        for obj, current in zip((self._sampler, self._batch_sampler), readable, strict=True):
+            wants = obj is not None and callable(getattr(obj, "set_epoch", None))
+            if wants and (given or current is not None):
                 obj.set_epoch(epoch)  # type: ignore[union-attr]
         self._given_epochs = self._sampler_epochs()
 
@@ -131,13 +141,13 @@ class BatchPlan:
         """Yields the batches of one epoch, lazily (samplers may be long)."""
         if self._batch_sampler is not None:
             for batch in self._batch_sampler:
-                yield [int(i) for i in batch]
+                yield [_index(i, "batch_sampler") for i in batch]
             return
-        indices: Iterator[Any] = iter(self._sampler if self._sampler is not None else self._indices(epoch))
-        while batch := [int(i) for i in islice(indices, self._batch_size)]:
-            if len(batch) < self._batch_size and self._drop_last:
-                return
-            yield batch
+        if self._sampler is None:
+            yield from _chunked(self._indices(epoch), self._batch_size, drop_last=self._drop_last)
+            return
+        indices = (_index(i, "sampler") for i in self._sampler)
+        yield from _chunked(indices, self._batch_size, drop_last=self._drop_last)
 
     def _indices(self, epoch: int) -> list[int]:
         if self._shuffle:
@@ -211,6 +221,25 @@ def _describe(obj: object) -> str | None:
         return None
     length = f" of {len(obj)}" if isinstance(obj, Sized) else ""
     return f"{type(obj).__name__}{length}"
+
+
+def _chunked(indices: Iterable[int], size: int, *, drop_last: bool) -> Iterator[list[int]]:
+    """Consecutive batches of ``size`` indices; a short last one unless ``drop_last``."""
+    it = iter(indices)
+    while batch := list(islice(it, size)):
+        if len(batch) < size and drop_last:
+            return
+        yield batch
+
+
+def _index(value: Any, name: str) -> int:
+    """A sampler's index as an ``int``: integers of any kind; a float is refused, as lists refuse it."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} yielded {value!r} ({type(value).__name__}): sample indices must be integers"
+        ) from None
 
 
 def _length_of(obj: object, name: str) -> int:

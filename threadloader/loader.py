@@ -288,13 +288,13 @@ class ThreadLoader:
         with self._lock:
             if self._closed:
                 raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
-            epoch, start = self._next_epoch, self._resume
-            on_sampler = self._plan.epoch_set_on_the_sampler(overridden=self._epoch_given)
+            epoch, start, given = self._next_epoch, self._resume, self._epoch_given
+            on_sampler = self._plan.epoch_set_on_the_sampler(overridden=given)
             if on_sampler is not None:
                 epoch = on_sampler  # the user's sampler.set_epoch(e), as DataLoader leaves it
             self._next_epoch, self._epoch_given = epoch + 1, False
             self._resume = 0
-            self._plan.set_epoch(epoch)
+            self._plan.set_epoch(epoch, given=given)
             self._progress = progress = _Progress(epoch, start)
             groups, drop = resume_groups(
                 progress.count(self._plan.batches(epoch)), self.decode_batch_size, start
@@ -440,8 +440,12 @@ class ThreadLoader:
                 self.close()
 
     def __repr__(self) -> str:
+        try:
+            batches: int | str = len(self)
+        except TypeError:  # a sampler without __len__: the loader iterates it all the same
+            batches = "unknown"
         return (
-            f"ThreadLoader(samples={len(self._source)}, batches={len(self)}, device={self.device}, "
+            f"ThreadLoader(samples={len(self._source)}, batches={batches}, device={self.device}, "
             f"num_threads={self.num_threads}, prefetch={self.prefetch}, output={self._runtime.output})"
         )
 
