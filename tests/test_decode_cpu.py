@@ -357,3 +357,34 @@ def test_gray_images_pillow_opens_as_32_bit_are_scaled_by_what_their_file_holds(
         reference = np.asarray(image.convert("RGB"))
     assert reference[0, :, 0].tolist() == [0, 0, 0, 121, 255, 255, 255]  # Pillow clips
     assert np.array_equal(pillow.decode_rgb(tiff.getvalue()), reference)
+
+
+def test_a_16_bit_rgb_ppm_keeps_each_samples_high_byte() -> None:
+    """Pillow reads a 16-bit RGB PPM to 8 bits by rounding (0xFF00 gave 254, 0x00FF gave 1)."""
+    values = np.arange(65536, dtype=np.uint32)
+    rgb = np.stack([values, values[::-1], (values * 7) % 65536], axis=1).reshape(256, 256, 3)
+    ppm = b"P6 256 256 65535\n" + rgb.astype(">u2").tobytes()
+    assert np.array_equal(pillow.decode_rgb(ppm), (rgb >> 8).astype(np.uint8))
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["binary", "plain"])
+def test_a_10_bit_rgb_ppm_reads_as_pillow_reads_the_same_samples_gray(plain: bool) -> None:
+    """The rule of a gray PGM of the same depth: Pillow scales it to 16 bits, and its high byte is kept."""
+    rng = np.random.default_rng(3)
+    rgb = rng.integers(0, 1024, (5, 7, 3), dtype=np.uint32)
+    rgb[0, :3] = [[0, 1023, 512], [1, 1022, 511], [4, 3, 2]]
+    if plain:
+        ppm = b"P3\n# a comment\n7 5\n1023\n" + b" ".join(b"%d" % v for v in rgb.ravel())
+    else:
+        ppm = b"P6 7 5 1023\n" + rgb.astype(">u2").tobytes()
+    for channel in range(3):
+        pgm = b"P5 7 5 1023\n" + rgb[..., channel].astype(">u2").tobytes()
+        with Image.open(io.BytesIO(pgm)) as gray:  # the reference: Pillow's 16-bit scaling of gray
+            expected = np.asarray(gray, dtype=np.uint32) >> 8
+        assert np.array_equal(pillow.decode_rgb(ppm)[..., channel], expected)
+
+
+def test_an_8_bit_ppm_is_pillows() -> None:
+    rgb = np.random.default_rng(4).integers(0, 256, (4, 6, 3), dtype=np.uint8)
+    ppm = b"P6 6 4 255\n" + rgb.tobytes()
+    assert np.array_equal(pillow.decode_rgb(ppm), rgb)

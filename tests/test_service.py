@@ -993,3 +993,16 @@ def test_a_numpy_timeout_waits_as_a_float() -> None:
         with pytest.raises(QueueFullError):
             batcher.submit(3, timeout=np.float32(0.05))
         gate.set()
+
+
+def test_a_failed_requests_origin_counts_its_bytes_not_its_items() -> None:
+    """A memoryview of 100 uint32 values was '100 bytes' in the error's origin (and 10 for 10 rows)."""
+    with BatchDecoder(device="cpu", num_threads=1) as service:
+        for data, size in (
+            (memoryview(np.arange(100, dtype=np.uint32)), 400),
+            (memoryview(np.zeros((10, 40), np.uint8)), 400),
+            (b"not an image", 12),
+        ):
+            with pytest.raises(SampleError) as caught:
+                service.decode(data)
+            assert caught.value.origin.endswith(f", {size} bytes")

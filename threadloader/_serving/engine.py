@@ -87,7 +87,7 @@ class Engine:
 
 def _request_error(request: Request, error: SampleError | None) -> SampleError:
     """The pipeline's error for a rejected image, renamed after the request rather than its batch slot."""
-    origin = f"request {request.number}, {len(request.data)} bytes"
+    origin = f"request {request.number}, {memoryview(request.data).nbytes} bytes"  # bytes, not items
     reason = error.reason if error is not None else "the decoder rejected it"
     stage = error.stage if error is not None else "decode"
     renamed = SampleError(index=request.number, origin=origin, stage=stage, reason=reason)

@@ -4,13 +4,14 @@ A GPU loader's first batches are Pillow's while nvImageCodec starts in the backg
 
 Pillow releases the GIL while it decodes, so reader threads decode in parallel. The output contract is
 the one the GPU path keeps: RGB, EXIF orientation applied, grayscale and CMYK converted to RGB, alpha
-dropped, 16-bit samples reduced to their high byte.
+dropped, samples wider than 8 bits reduced to their high byte.
 """
 
 from __future__ import annotations
 
 import io
 import numbers
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,7 @@ from typing import cast
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from .._cancel import check_cancelled
 from .._stats import StatsRecorder
@@ -132,7 +133,11 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
         # Image.open has checked the header's size through _bomb_check; checked again so that the
         # limit holds whatever Pillow's plugins call.
         _check_pixels(image.size, max_pixels)
+        tile = image.tile  # where a PPM's samples are (load() empties it)
         image.load()
+        wide = _wide_rgb_ppm(image, tile, data)
+        if wide is not None:
+            return wide
         # exif_transpose copies an image it does not turn: only call it for an orientation that turns.
         turned = image.getexif().get(_ORIENTATION, 1) in _TURNS
         oriented = _replacing(image, ImageOps.exif_transpose(image)) if turned else image
@@ -141,6 +146,31 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
             return np.repeat(gray[..., None], 3, axis=2)
         rgb = oriented if oriented.mode == "RGB" else _replacing(oriented, oriented.convert("RGB"))
         return _rgb_array(rgb)
+
+
+def _wide_rgb_ppm(image: Image.Image, tile: list[ImageFile._Tile], data: Encoded) -> np.ndarray | None:
+    """An RGB PPM's samples of more than 8 bits, each the high byte of the sample scaled to 16 bits.
+
+    Pillow reads these to 8 bits by rounding (``v * 255 / maxval``), not by the rule every other wide
+    image follows here (a 16-bit gray PGM, which Pillow scales to 16 bits: its high byte), so a 16-bit
+    sample came out one higher in a quarter of the values. ``None`` for any other image. Called after
+    ``load()``, which has checked the samples (their count, none above ``maxval``).
+    """
+    if image.format != "PPM" or image.mode != "RGB" or len(tile) != 1:
+        return None
+    codec, _, offset, args = tile[0]
+    if codec not in ("ppm", "ppm_plain") or not isinstance(args, tuple) or args[-1] <= 255:
+        return None
+    maxval, (width, height) = int(args[-1]), image.size
+    count = width * height * 3
+    raw = memoryview(data).cast("B")[offset:]
+    if codec == "ppm":
+        samples = np.frombuffer(raw, dtype=">u2", count=count).astype(np.uint32)
+    else:  # plain (ASCII) samples; comments may sit between them
+        text = re.sub(rb"#[^\r\n]*", b" ", bytes(raw))
+        samples = np.array(text.split()[:count], dtype=np.uint32)
+    sixteen = (samples * 65535 + maxval // 2) // maxval
+    return (sixteen >> 8).astype(np.uint8).reshape(height, width, 3)
 
 
 def _replacing(image: Image.Image, replacement: Image.Image | None) -> Image.Image:
