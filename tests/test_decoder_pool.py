@@ -407,6 +407,32 @@ def test_a_new_decoder_decodes_a_whole_batch_before_anyone_leases_it(monkeypatch
     assert nvimgcodec.new_decoder("capi", 0, "split", 2, True, 64) == "decoder"
 
 
+def test_a_decoder_whose_priming_is_interrupted_is_destroyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C in the priming decode (a notebook's first, slow call) dropped the Decoder it had just
+    made: neither the pool nor anyone else could destroy it, and its memory stayed for the process."""
+    from threadloader.decode.nvimgcodec import _startup
+    from threadloader.decode.nvimgcodec._registry import DecoderRegistry
+
+    destroyed: list[object] = []
+    engine = type(
+        "Engine",
+        (),
+        {"new_decoder": lambda self, *options: "decoder", "destroy": lambda self, d: destroyed.append(d)},
+    )()
+    monkeypatch.setattr(_startup, "engine_named", lambda name: engine)
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_startup, "_prime", interrupted)
+    registry = DecoderRegistry(_startup.new_decoder, _startup._destroy)
+    key = ("capi", 0, "hardware", 2, False, 64)
+    registry.claim([key])
+    with pytest.raises(KeyboardInterrupt):
+        registry.acquire(key, 2)
+    assert destroyed == ["decoder"] and registry.made(key) == 0
+
+
 @pytest.mark.parametrize(
     ("options", "threads"),
     [

@@ -1,12 +1,15 @@
+import io
 import random
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from threadloader.decode.nvimgcodec._jpeg import (
     exif_orientation,
     has_end_marker,
     normalize_gray_sampling,
+    xmp_orientation_only,
 )
 
 from .conftest import encode, photo, pil_reference, with_gray_sampling, with_orientation
@@ -138,3 +141,56 @@ def test_end_marker_is_looked_for_in_the_tail_only() -> None:
         assert has_end_marker(blob) is False
     assert has_end_marker(data + bytes(2000)) is False  # past the tail that is searched
     assert has_end_marker(data + bytes(2000), tail=4096) is True
+
+
+def _with_segment(data: bytes, marker: int, payload: bytes) -> bytes:
+    """``data`` with a segment put right after its start marker."""
+    return data[:2] + bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:]
+
+
+def _xmp(orientation: bytes) -> bytes:
+    description = b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/"' + orientation + b"/>"
+    return b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta><rdf:RDF>" + description + b"</rdf:RDF></x:xmpmeta>"
+
+
+def test_an_orientation_in_xmp_only_is_pillows_to_apply() -> None:
+    """Pillow turns a JPEG whose orientation only XMP gives; nvImageCodec reads EXIF's only, so the
+    GPU path must not take it as unturned (it did: the paths gave (20, 30) and (30, 20))."""
+    from threadloader.decode.nvimgcodec import _capi
+    from threadloader.decode.nvimgcodec._engines import CApiEngine
+    from threadloader.decode.nvimgcodec._parse import parse
+
+    base = encode(photo(20, 30, 4), quality=90)
+    only_xmp = _with_segment(base, 0xE1, _xmp(b' tiff:Orientation="6"'))
+    assert Image.open(io.BytesIO(only_xmp)).getexif().get(0x0112) == 6  # the reference: Pillow reads it
+    assert pil_reference(only_xmp).shape[:2] == (30, 20)
+    assert xmp_orientation_only(only_xmp) and exif_orientation(only_xmp) is None
+    for data in (memoryview(only_xmp), bytearray(only_xmp)):
+        assert xmp_orientation_only(data)
+    both = _with_segment(with_orientation(photo(20, 30, 4), 3), 0xE1, _xmp(b' tiff:Orientation="6"'))
+    assert Image.open(io.BytesIO(both)).getexif().get(0x0112) == 3  # EXIF's wins in Pillow
+    assert not xmp_orientation_only(both) and exif_orientation(both) == 3
+    no_orientation = _with_segment(base, 0xE1, _xmp(b' tiff:Make="x"'))
+    assert not xmp_orientation_only(no_orientation) and exif_orientation(no_orientation) == 1
+    assert not xmp_orientation_only(base) and not xmp_orientation_only(base[:100])
+    try:
+        engine = CApiEngine(_capi.load())
+    except _capi.Unsupported as exc:
+        pytest.skip(f"nvImageCodec 0.9's C API is not usable here: {exc}")
+    assert engine.parse([only_xmp]).headers.turned == [False]  # nvImageCodec: not turned
+    parsed = parse(engine, [only_xmp, both], max_pixels=None, region_of=None)
+    assert list(parsed.to_cpu) == [0] and "XMP" in parsed.to_cpu[0]
+
+
+def test_an_end_marker_in_the_header_is_not_the_files_end() -> None:
+    """An EXIF thumbnail ends with FF D9: a camera file cut early in its scan passed as whole."""
+    thumbnail = encode(photo(8, 8, 5), quality=80)
+    data = _with_segment(encode(photo(64, 64, 6), quality=90), 0xE2, b"thumbnail\x00" + thumbnail)
+    scan = data.index(b"\xff\xda", len(thumbnail) + 20)
+    for cut in (scan + 40, scan + 200):
+        with pytest.raises(OSError):  # Pillow, the reference: truncated
+            pil_reference(data[:cut])
+        for blob in (data[:cut], memoryview(data[:cut]), bytearray(data[:cut])):
+            assert has_end_marker(blob) is False
+    assert has_end_marker(data) is True
+    assert has_end_marker(data + b"motion photo") is True

@@ -13,6 +13,7 @@ __all__ = [
     "has_end_marker",
     "normalize_gray_sampling",
     "with_exif_orientation",
+    "xmp_orientation_only",
 ]
 
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG and DAC are not frames
@@ -21,6 +22,8 @@ _APP1 = 0xE1
 _SOS = 0xDA
 _ORIENTATION_TAG = 0x0112
 _SHORT = 3  # the TIFF type the orientation tag has
+_ABSENT = 0  # _tiff_orientation's answer for a directory without the tag
+_XMP = b"http://ns.adobe.com/xap/1.0/\x00"
 
 
 def _segments(view: memoryview) -> Iterator[tuple[int, int, int]]:
@@ -73,23 +76,60 @@ def exif_orientation(data: bytes | bytearray | memoryview) -> int | None:
 
     nvImageCodec applies the orientation but reports the stored size: orientations 5-8 swap height and
     width. A region to decode is given in the displayed frame, so the displayed size must be known first.
-    Unsure (a header walk that stops before the scan, EXIF that is not well formed): ``None``, and the
-    caller decodes the whole image, which is right whatever a decoder makes of such a header.
+    Unsure (a header walk that stops before the scan, EXIF that is not well formed, an orientation given
+    only in XMP, which Pillow applies): ``None``, and the caller decodes the whole image, which is
+    right whatever a decoder makes of such a header.
     """
+    orientation, xmp_only = _orientation(data)
+    return None if xmp_only else orientation
+
+
+def xmp_orientation_only(data: bytes | bytearray | memoryview) -> bool:
+    """Whether a JPEG's orientation is given in XMP (``tiff:Orientation``) and not in EXIF.
+
+    Pillow applies it (it reads XMP where EXIF has no orientation); nvImageCodec reads EXIF only, so
+    such a JPEG would come out turned on one path and not on the other. Asked of every JPEG the GPU
+    decodes, so the common answer (no XMP segment) comes from a bare walk over the markers.
+    """
+    length = len(data)
+    position = 2 if data[:2] == b"\xff\xd8" else length
+    while position + 4 <= length:
+        marker = data[position + 1]
+        if data[position] != 0xFF or marker == _SOS:
+            return False
+        if marker == 0xFF:  # fill byte
+            position += 1
+        elif marker in _STANDALONE:
+            position += 2
+        elif marker == _APP1 and bytes(data[position + 4 : position + 4 + len(_XMP)]) == _XMP:
+            return _orientation(data)[1]
+        else:
+            position += 2 + ((data[position + 2] << 8) | data[position + 3])
+    return False
+
+
+def _orientation(data: bytes | bytearray | memoryview) -> tuple[int | None, bool]:
+    """EXIF's orientation (1 where it has none; ``None`` unsure), and whether only XMP gives one."""
     view = memoryview(data)
-    orientation: int | None = 1
-    found = False
+    exif: bytes | None = None
+    xmp = False
     for marker, position, length in _segments(view):
         if marker == _SOS:
-            return orientation
-        if not found and marker == _APP1 and bytes(view[position + 4 : position + 10]) == b"Exif\x00\x00":
-            found = True
-            orientation = _tiff_orientation(bytes(view[position + 10 : position + 2 + length]))
-    return None
+            if exif is None:
+                return 1, xmp
+            orientation = _tiff_orientation(exif)
+            return (1 if orientation == _ABSENT else orientation), xmp and orientation == _ABSENT
+        if marker != _APP1:
+            continue
+        if exif is None and bytes(view[position + 4 : position + 10]) == b"Exif\x00\x00":
+            exif = bytes(view[position + 10 : position + 2 + length])
+        elif not xmp and bytes(view[position + 4 : position + 4 + len(_XMP)]) == _XMP:
+            xmp = bytes(view[position + 4 : position + 2 + length]).find(b"tiff:Orientation") >= 0
+    return None, False
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:
-    """The orientation tag of a TIFF structure's first directory (EXIF's layout)."""
+    """The orientation tag of a TIFF structure's first directory (EXIF's layout); :data:`_ABSENT`."""
     order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
     if order is None or len(tiff) < 8:
         return None
@@ -110,21 +150,27 @@ def _tiff_orientation(tiff: bytes) -> int | None:
                 return None
             value = number(entry + 8, 2)
             return value if 1 <= value <= 8 else None
-    return 1
+    return _ABSENT
 
 
 def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) -> bool:
-    """Whether the end-of-image marker (FF D9) is in the last ``tail`` bytes.
+    """Whether the end-of-image marker (FF D9) is in the last ``tail`` bytes, after the scan's start.
 
     nvImageCodec 0.9.0 decodes a JPEG cut in half "successfully", garbage in its lower half. Such
     files go to Pillow, which raises for truncation; files with data after the marker (motion photos)
-    also go there and decode correctly, only slower. FF D9 cannot occur inside entropy-coded data.
+    also go there and decode correctly, only slower. FF D9 cannot occur inside entropy-coded data, but
+    it does in the header: an EXIF thumbnail ends with one, so a camera file cut early in its scan
+    would have passed.
     """
     if data[-2:] == b"\xff\xd9":  # where nearly every file has it
         return True
+    scan = next((position for marker, position, _ in _segments(memoryview(data)) if marker == _SOS), None)
+    if scan is None:  # no scan: nothing was decoded to end
+        return False
+    start = max(scan, len(data) - tail)
     if isinstance(data, memoryview):
-        return b"\xff\xd9" in bytes(data[-tail:])
-    return data.find(b"\xff\xd9", max(0, len(data) - tail)) >= 0  # no copy of the tail
+        return b"\xff\xd9" in bytes(data[start:])
+    return data.find(b"\xff\xd9", start) >= 0  # no copy of the tail
 
 
 def with_exif_orientation(data: bytes, orientation: int) -> bytes:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..._gil import Pacer
 from ..base import Encoded, Region, RegionOf, pixel_limit_error
 from ._engines import Engine, EngineBatch, Headers
-from ._jpeg import has_end_marker, normalize_gray_sampling
+from ._jpeg import has_end_marker, normalize_gray_sampling, xmp_orientation_only
 
 __all__ = ["Parsed", "parse"]
 
@@ -102,7 +102,11 @@ def _cpu_reason(headers: Headers, position: int, data: Encoded) -> str | None:
     if codec not in _GPU_FORMATS:
         return f"{codec or 'this'} format is not decoded on the GPU"
     if codec == "jpeg":
-        return None if has_end_marker(data) else "the JPEG has no end-of-image marker (truncated?)"
+        if not has_end_marker(data):
+            return "the JPEG has no end-of-image marker (truncated?)"
+        if xmp_orientation_only(data):  # Pillow turns it; nvImageCodec reads EXIF's orientation only
+            return "the JPEG's orientation is given in XMP only (tiff:Orientation), which Pillow applies"
+        return None
     channels, eight_bit = headers.channels[position], headers.eight_bit[position]
     if channels != 3 or not eight_bit:
         samples = "8-bit" if eight_bit else "wider than 8-bit"

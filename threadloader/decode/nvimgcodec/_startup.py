@@ -64,6 +64,9 @@ def new_decoder(
         _prime(made, decoder, torch.device("cuda", device_index), batch or _PRIME_IMAGES)
     except Exception:  # the first real call decodes, or falls back, as it would have
         logger.debug("threadloader: priming a new nvImageCodec Decoder failed", exc_info=True)
+    except BaseException:  # a Ctrl-C: the Decoder is no one's yet, its memory and threads freed here
+        made.destroy(decoder)
+        raise
     return decoder
 
 
