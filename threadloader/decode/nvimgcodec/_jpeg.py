@@ -6,8 +6,6 @@ parser, which holds the GIL (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 __all__ = [
     "exif_orientation",
     "has_end_marker",
@@ -26,26 +24,31 @@ _ABSENT = 0  # _tiff_orientation's answer for a directory without the tag
 _XMP = b"http://ns.adobe.com/xap/1.0/\x00"
 
 
-def _segments(view: memoryview) -> Iterator[tuple[int, int, int]]:
-    """Yields ``(marker, position, length)`` of each header segment, up to the first scan."""
-    if view[:2] != b"\xff\xd8":
-        return
-    position = 2
-    while position + 4 <= len(view):
-        if view[position] != 0xFF:
-            return
-        marker = view[position + 1]
+def _segments(data: bytes | bytearray | memoryview) -> list[tuple[int, int, int]]:
+    """``(marker, position, length)`` of each header segment, up to and with the first scan's.
+
+    A list made by one plain loop: asked of every JPEG the GPU decodes (:func:`xmp_orientation_only`),
+    where a generator's per-segment cost was most of the answer's.
+    """
+    if data[:2] != b"\xff\xd8":
+        return []
+    found = []
+    position, size = 2, len(data)
+    while position + 4 <= size:
+        marker = data[position + 1]
+        if data[position] != 0xFF:
+            break
         if marker == 0xFF:  # fill byte
             position += 1
-            continue
-        if marker in _STANDALONE:
+        elif marker in _STANDALONE:
             position += 2
-            continue
-        length = (view[position + 2] << 8) | view[position + 3]
-        yield marker, position, length
-        if marker == _SOS:
-            return
-        position += 2 + length
+        else:
+            length = (data[position + 2] << 8) | data[position + 3]
+            found.append((marker, position, length))
+            if marker == _SOS:
+                break
+            position += 2 + length
+    return found
 
 
 def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
@@ -88,24 +91,15 @@ def xmp_orientation_only(data: bytes | bytearray | memoryview) -> bool:
     """Whether a JPEG's orientation is given in XMP (``tiff:Orientation``) and not in EXIF.
 
     Pillow applies it (it reads XMP where EXIF has no orientation); nvImageCodec reads EXIF only, so
-    such a JPEG would come out turned on one path and not on the other. Asked of every JPEG the GPU
-    decodes, so the common answer (no XMP segment) comes from a bare walk over the markers.
+    such a JPEG would come out turned on one path and not on the other.
     """
-    length = len(data)
-    position = 2 if data[:2] == b"\xff\xd8" else length
-    while position + 4 <= length:
-        marker = data[position + 1]
-        if data[position] != 0xFF or marker == _SOS:
-            return False
-        if marker == 0xFF:  # fill byte
-            position += 1
-        elif marker in _STANDALONE:
-            position += 2
-        elif marker == _APP1 and bytes(data[position + 4 : position + 4 + len(_XMP)]) == _XMP:
-            return _orientation(data)[1]
-        else:
-            position += 2 + ((data[position + 2] << 8) | data[position + 3])
-    return False
+    return (
+        any(
+            marker == _APP1 and bytes(data[position + 4 : position + 4 + len(_XMP)]) == _XMP
+            for marker, position, _ in _segments(data)
+        )
+        and _orientation(data)[1]
+    )
 
 
 def _orientation(data: bytes | bytearray | memoryview) -> tuple[int | None, bool]:
@@ -164,7 +158,7 @@ def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) ->
     """
     if data[-2:] == b"\xff\xd9":  # where nearly every file has it
         return True
-    scan = next((position for marker, position, _ in _segments(memoryview(data)) if marker == _SOS), None)
+    scan = next((position for marker, position, _ in _segments(data) if marker == _SOS), None)
     if scan is None:  # no scan: nothing was decoded to end
         return False
     start = max(scan, len(data) - tail)
