@@ -301,6 +301,19 @@ def test_without_fsspec_the_error_names_the_package(no_fsspec: None) -> None:
     loader.close()
 
 
+def test_without_the_protocols_package_a_list_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fsspec but no s3fs, a list of s3:// URLs built fine and its first batch raised fsspec's
+    ImportError, on_error="skip" or not: now the construction says it, as it does for fsspec."""
+    import fsspec
+
+    def missing(protocol: str) -> None:  # s3fs missing, as fsspec reports it (whether or not it is here)
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
+    with pytest.raises(ImportError, match=r"needs the package of its protocol: Install s3fs to access S3"):
+        ThreadLoader([("s3://bucket/a.jpg", 0)], on_error="skip")
+
+
 # ---------------------------------------------------------------------------------- resolved filesystems
 
 

@@ -685,6 +685,9 @@ def test_micro_batcher_sheds_load_and_frees_a_cancelled_slot() -> None:
         ({"max_delay_ms": 1e13}, ValueError, "max_delay_ms must be a finite number"),
         ({"max_delay_ms": float("nan")}, ValueError, "max_delay_ms must be a finite number .*got nan"),
         ({"max_delay_ms": None}, ValueError, "max_delay_ms must be a finite number .*got None"),
+        # torch's own RuntimeError, naming no argument
+        ({"device": "tpu"}, ValueError, r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 'tpu'"),
+        ({"device": "meta"}, ValueError, "device must be 'cpu' or a CUDA device, got meta"),
     ],
 )
 def test_micro_batcher_bad_options(options: dict[str, object], error: type[Exception], message: str) -> None:

@@ -17,7 +17,7 @@ from ._workers import available_cpus
 from .decode.nvimgcodec import check_cuda_versions
 from .errors import CPUFallbackWarning
 
-__all__ = ["available_cpus", "resolve_device"]
+__all__ = ["available_cpus", "parse_device", "resolve_device"]
 
 
 def _nvimgcodec_installed() -> bool:
@@ -28,6 +28,22 @@ def _nvimgcodec_installed() -> bool:
         return importlib.util.find_spec("nvidia.nvimgcodec") is not None
     except (ImportError, ValueError):
         return False
+
+
+def parse_device(device: str | torch.device | int) -> torch.device:
+    """The CPU or a CUDA device, as ``device`` names it; a ValueError that names the argument otherwise.
+
+    ``'cpu:0'`` is the one CPU device: it comes back as ``cpu``, which a decoder's device must match.
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r} ({exc})") from exc
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type != "cuda":
+        raise ValueError(f"device must be 'cpu' or a CUDA device, got {parsed}")
+    return parsed
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device:
@@ -66,14 +82,9 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             if local_rank.isdigit() and int(local_rank) < torch.cuda.device_count()
             else "cuda"
         )
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r} ({exc})") from exc
+    resolved = parse_device(device)
     if resolved.type == "cpu":
-        return torch.device("cpu")  # 'cpu:0' is the one CPU device: a decoder's 'cpu' must match it
-    if resolved.type != "cuda":
-        raise ValueError(f"device must be 'cpu' or a CUDA device, got {resolved}")
+        return resolved
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"device={str(resolved)!r} but no CUDA GPU is usable here; pass device='cpu' (or None)"

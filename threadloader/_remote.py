@@ -43,7 +43,7 @@ def require_fsspec(url: str) -> Any:
     PyPI, so an install by the extra's name alone would find nothing.
 
     Raises:
-        ImportError: If fsspec is not installed.
+        ImportError: If fsspec is not installed, or the package of ``url``'s protocol (s3fs for s3://).
     """
     try:
         import fsspec
@@ -53,6 +53,12 @@ def require_fsspec(url: str) -> Any:
             "a threadloader checkout, pip install -e '.[remote]'), plus the protocol's own package where "
             "fsspec needs one: s3fs for s3://, gcsfs for gs://"
         ) from exc
+    if "::" not in url:  # a chained URL's protocols are resolved as it is read
+        protocol = fsspec.core.split_protocol(url)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:  # fsspec's message names the package: "Install s3fs to access S3"
+            raise ImportError(f"reading {url!r} needs the package of its protocol: {exc}") from exc
     return fsspec
 
 

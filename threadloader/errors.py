@@ -28,7 +28,8 @@ class SampleError(ThreadLoaderError):
     Raised in the consumer at the batch that holds the sample (``on_error="raise"``); with
     ``on_error="skip"`` it is logged and counted instead. The original exception is chained as
     ``__cause__``: the source's, the read's or the decoder's (on the GPU path Pillow's, when it fails
-    too; nvImageCodec reports status codes), ``None`` for an image refused from its header.
+    too; nvImageCodec reports status codes). On the GPU path an image refused from its header (over
+    ``max_pixels``) has none; on the CPU path Pillow's ``DecompressionBombError`` is chained.
 
     Attributes:
         index: The sample's index in the source.

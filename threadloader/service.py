@@ -29,6 +29,7 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from ._checks import check_count
+from ._device import parse_device
 from ._options import DEFAULTS, Options
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
@@ -467,7 +468,7 @@ class MicroBatcher(_Batching[T, R]):
         check_count("num_threads", num_threads, optional=False)
         if not callable(fn):
             raise TypeError(f"fn must be callable (inputs -> one result each), got {type(fn).__name__}")
-        where = torch.device(device if device is not None else "cpu")
+        where = parse_device(device if device is not None else "cpu")
         if where.type == "cuda" and where.index is None:
             where = torch.device("cuda", torch.cuda.current_device())
         streams = tuple(torch.cuda.Stream(where) for _ in range(num_threads)) if where.type == "cuda" else ()
