@@ -783,3 +783,31 @@ def test_a_next_that_close_wakes_raises_at_once_beside_a_stuck_reader() -> None:
     release.set()
     closer.join()
     assert woken < 0.8 and closed_again < 0.5, (woken, closed_again)
+
+
+_EXIT_DURING_THREADED_PILLOW = """
+import sys, threading, time
+from threadloader.decode import PillowDecoder, pillow
+
+def slow(data, *, max_pixels):  # a large photo's decode
+    time.sleep(0.1)
+    import numpy as np
+    return np.zeros((2, 2, 3), np.uint8)
+
+pillow.decode_rgb = slow
+decoder = PillowDecoder(threads=2)
+threading.Thread(target=decoder.decode, args=([b"x"] * 40,), kwargs={"stream": None}, daemon=True).start()
+time.sleep(0.3)
+print(time.time(), flush=True)  # the script ends here
+"""
+
+
+def test_an_exit_during_a_threaded_pillow_call_waits_for_a_few_images_not_the_batch() -> None:
+    """A pool runs all it was handed before the interpreter ends: given the batch's 40 images at once,
+    the exit waited about 2 s for them (a GPU loader's CPU start, a script that fails at its first step)."""
+    child = subprocess.run(
+        [sys.executable, "-c", _EXIT_DURING_THREADED_PILLOW], capture_output=True, text=True, timeout=60
+    )
+    ended = time.time()
+    assert child.returncode == 0, child.stderr
+    assert ended - float(child.stdout.split()[-1]) < 1.0

@@ -9,7 +9,9 @@ dropped, samples wider than 8 bits reduced to their high byte.
 
 from __future__ import annotations
 
+import collections
 import io
+import itertools
 import numbers
 import re
 import threading
@@ -286,21 +288,28 @@ class PillowDecoder(ImageDecoder):
             return detached(exc)
 
     def _on_threads(self, encoded: Sequence[Encoded]) -> list[torch.Tensor | BaseException]:
-        """Each image decoded on the call's own threads, in order; a cancel drops the ones not started."""
-        with ThreadPoolExecutor(
-            min(self.threads, len(encoded)), thread_name_prefix="threadloader-pillow"
-        ) as pool:
-            futures: list[Future[torch.Tensor | BaseException]] = [
-                pool.submit(self._one, data) for data in encoded
-            ]
+        """Each image decoded on the call's own threads, in order; two images a thread handed out at most.
+
+        A pool runs everything handed to it before its threads end, at the interpreter's exit too
+        (``concurrent.futures`` joins them then, before any hook of ours runs): handed the whole batch,
+        an exit during a GPU loader's CPU start waited for all of it. Images are handed out as results
+        come in instead, and a cancel drops the ones not handed out.
+        """
+        workers = min(self.threads, len(encoded))
+        images = iter(encoded)
+        with ThreadPoolExecutor(workers, thread_name_prefix="threadloader-pillow") as pool:
+            handed: collections.deque[Future[torch.Tensor | BaseException]] = collections.deque(
+                pool.submit(self._one, data) for data in itertools.islice(images, 2 * workers)
+            )
             try:
                 decoded = []
-                for future in futures:
+                while handed:
                     check_cancelled()  # stops at the next image; the ones under way end first
-                    decoded.append(future.result())
+                    decoded.append(handed.popleft().result())
+                    handed.extend(pool.submit(self._one, data) for data in itertools.islice(images, 1))
                 return decoded
             finally:
-                for future in futures:
+                for future in handed:
                     future.cancel()
 
 
