@@ -507,3 +507,70 @@ def test_a_class_folder_that_links_to_the_root_is_no_class(
     assert any(
         "symlink loop" in record.getMessage() and "zz_all" in record.getMessage() for record in caplog.records
     )
+
+
+class _Broken(PillowDecoder):
+    """Pillow's output, broken the way a decoder of one's own can break it."""
+
+    def __init__(self, breaking: Callable[[object, int], object]) -> None:
+        super().__init__()
+        self.breaking = breaking
+
+    def decode(self, encoded, *, stream, stats=None, region_of=None, pad=False):  # type: ignore[no-untyped-def]
+        return self.breaking(super().decode(encoded, stream=stream), len(encoded))
+
+
+def _rows(decoded: object, count: int) -> object:
+    from threadloader.decode import DecodedBatch
+
+    return DecodedBatch(extents=[(8, 8)] * count, rows=set(range(count)))  # rows, but no batch
+
+
+def _chw(decoded: object, count: int) -> object:
+    from threadloader.decode import DecodedBatch
+
+    return DecodedBatch.of_images([image.permute(2, 0, 1).contiguous() for image in decoded.own.values()])  # type: ignore[attr-defined]
+
+
+def _rgba(decoded: object, count: int) -> object:
+    from threadloader.decode import DecodedBatch
+
+    images = [torch.cat([image, image[..., :1]], dim=2) for image in decoded.own.values()]  # type: ignore[attr-defined]
+    return DecodedBatch.of_images(images)
+
+
+def _failed_without_reason(decoded: object, count: int) -> object:
+    from threadloader.decode import DecodedBatch
+
+    return DecodedBatch(extents=[None] * count)
+
+
+@pytest.mark.parametrize(
+    ("breaking", "error", "message"),
+    [
+        # a forgotten return gave an empty epoch, no error, nothing counted
+        (lambda decoded, count: None, TypeError, r"_Broken\.decode returned NoneType, not a DecodedBatch"),
+        (lambda decoded, count: list(decoded.own.values()), TypeError, "returned list, not a DecodedBatch"),
+        # an entry short: a bare IndexError in the pipeline
+        (
+            lambda decoded, count: type(decoded).of_images([decoded.own[0]]),
+            ValueError,
+            "1 extents for 2 inputs",
+        ),
+        (_rows, TypeError, r"rows \[0, 1\] need a \(B, H, W, 3\) uint8 batch that holds them, got NoneType"),
+        # CHW and RGBA images came out as batches of the wrong shape, with no error
+        (_chw, TypeError, r"image 0 must be an \(H, W, 3\) uint8 tensor of its extent, got .* shape \(3, "),
+        (_rgba, TypeError, r"image 0 must be an \(H, W, 3\) uint8 tensor of its extent, got .*, 4\)"),
+        (_failed_without_reason, ValueError, r"failed positions \[0, 1\] without a reason in errors"),
+    ],
+    ids=["None", "a list", "an entry short", "rows without a batch", "CHW", "RGBA", "no reason"],
+)
+def test_a_decoder_that_breaks_the_contract_is_named_at_its_batch(
+    breaking: Callable[[object, int], object], error: type[Exception], message: str
+) -> None:
+    samples = [(GOOD[0], 0), (GOOD[1], 1)]
+    broken = ThreadLoader(samples, batch_size=2, device="cpu", decoder=_Broken(breaking))
+    with broken, pytest.raises(error, match=message):
+        next(iter(broken))
+    with ThreadLoader(samples, batch_size=2, device="cpu", decoder=_Broken(lambda d, c: d)) as loader:
+        assert [targets.tolist() for _, targets in loader] == [[0, 1]]  # the same decoder, unbroken

@@ -25,7 +25,7 @@ from ._output import OutputFormat
 from ._seeding import sample_generator
 from ._sources import Blob, Fetched, Source, fetch_batch, origin_of, read_batch
 from ._stats import StatsRecorder
-from .decode.base import DecodedBatch, Encoded, ImageDecoder, Region
+from .decode.base import DecodedBatch, Encoded, ImageDecoder, Region, check_decoded
 from .errors import SampleError
 from .transforms import Transform
 from .transforms.functional import Images
@@ -145,7 +145,7 @@ class BatchProducer:
         """Decodes the samples read, in one decoder call; ``None`` when none could be read."""
         if not group.blobs:
             return None
-        return self._decoder.decode(
+        decoded = self._decoder.decode(
             group.blobs,
             stream=stream,
             stats=self._stats,
@@ -153,6 +153,7 @@ class BatchProducer:
             # Without a transform, the output's resize reads images of different sizes in one batch.
             pad=self._transform is None and self._output.size is not None,
         )
+        return check_decoded(decoded, len(group.blobs), self._decoder)
 
     def _split(
         self, group: _Group, decoded: DecodedBatch | None, plans: _Plans | None, reader: ReaderStream

@@ -44,6 +44,7 @@ __all__ = [
     "Region",
     "RegionOf",
     "StageRecorder",
+    "check_decoded",
     "check_pixel_limit",
     "pixel_limit_error",
 ]
@@ -169,6 +170,68 @@ class DecodedBatch:
             return None
         size = (int(self.batch.shape[1]), int(self.batch.shape[2]))
         return self.batch if all(extent == size for extent in self.extents) else None
+
+
+def check_decoded(decoded: object, count: int, decoder: object) -> DecodedBatch:
+    """``decoded``, once it keeps :class:`DecodedBatch`'s contract for ``count`` inputs; else the error.
+
+    A decoder of one's own that breaks it (a forgotten ``return``, an entry short, CHW or RGBA images)
+    gave an empty epoch, a bare ``IndexError`` or 4-channel batches downstream, far from its cause.
+
+    Raises:
+        TypeError: If ``decoded`` is not a :class:`DecodedBatch`, or an image not a ``uint8`` tensor.
+        ValueError: If its entries do not match the inputs, or an image its extent.
+    """
+    name = f"{type(decoder).__name__}.decode"
+    if not isinstance(decoded, DecodedBatch):
+        raise TypeError(f"{name} returned {type(decoded).__name__}, not a DecodedBatch (one entry per input)")
+    extents = decoded.extents
+    if len(extents) != count:
+        raise ValueError(f"{name} returned {len(extents)} extents for {count} inputs: one per input")
+    unexplained = [p for p, extent in enumerate(extents) if extent is None and p not in decoded.errors]
+    if unexplained:
+        raise ValueError(f"{name} failed positions {unexplained[:5]} without a reason in errors")
+    if decoded.rows:
+        batch = decoded.batch
+        if not _rgb(batch, 4) or not 0 <= min(decoded.rows) <= max(decoded.rows) < batch.shape[0]:  # type: ignore[union-attr]
+            rows = sorted(decoded.rows)[:5]
+            raise TypeError(
+                f"{name}: rows {rows} need a (B, H, W, 3) uint8 batch that holds them, got {_kind(batch)}"
+            )
+        height, width = batch.shape[1:3]  # type: ignore[union-attr]
+        for position in decoded.rows:
+            extent = extents[position]
+            if extent is None or extent[0] > height or extent[1] > width:
+                raise ValueError(
+                    f"{name}: position {position}'s extent {extent} is not in a row of {height}x{width}"
+                )
+    for position, image in decoded.own.items():
+        if not _rgb(image, 3) or not 0 <= position < count or tuple(image.shape[:2]) != extents[position]:
+            raise TypeError(
+                f"{name}: image {position} must be an (H, W, 3) uint8 tensor of its extent, got "
+                f"{_kind(image)}"
+            )
+    lost = [
+        p for p, e in enumerate(extents) if e is not None and p not in decoded.rows and p not in decoded.own
+    ]
+    if lost:
+        raise ValueError(f"{name}: positions {lost[:5]} have an extent but no image, in rows or own")
+    return decoded
+
+
+def _rgb(value: object, ndim: int) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.uint8
+        and value.ndim == ndim
+        and value.shape[-1] == 3
+    )
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 class ImageDecoder(ABC):
