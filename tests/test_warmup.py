@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from threadloader import BatchDecoder, ThreadLoader, _options, _runtime
 from threadloader._cancel import Cancelled, bind_cancel, check_cancelled
 from threadloader._handoff import ReaderStream
 from threadloader._warmup import Warmup, warmup_source
+from threadloader.decode import PillowDecoder
 from threadloader.decode.base import DecodedBatch, ImageDecoder
 
 from .conftest import GatedDecoder, encode, photo
@@ -343,3 +344,80 @@ def test_prepare_runs_beside_the_batches_on_a_reader_stream_and_readers_wait_for
     release.set()
     warmup.wait()
     assert active == [(0, "threadloader-warmup-1")]
+
+
+class _StuckDecoder(PillowDecoder):
+    """Pillow's decode once ``gate`` opens: a decoder stuck in a call (a hung read, a driver wait)."""
+
+    def __init__(self, *, warms_up: bool) -> None:
+        super().__init__()
+        self.warms_up = warms_up
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def decode(self, encoded, **options):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        self.gate.wait(30)
+        return super().decode(encoded, **options)
+
+
+def _timed(call: Callable[[], object]) -> float:
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
+
+
+def test_only_the_first_close_waits_and_it_waits_once_for_everything(tmp_path: Path) -> None:
+    """A stuck warm-up made close(), a second close(), __exit__ and the finalizer wait a second each;
+    three live iterators over a stuck decoder made close() wait a second for each in turn."""
+    images = folder(tmp_path)
+    stuck = _StuckDecoder(warms_up=False)
+    loader = ThreadLoader(images, batch_size=3, decoder=stuck, num_threads=1)
+    iterators = [iter(loader) for _ in range(3)]
+    assert stuck.entered.wait(5)
+    try:
+        assert 0.8 < _timed(loader.close) < 1.6  # the threads get a second, all together
+        assert _timed(loader.close) < 0.2
+    finally:
+        stuck.gate.set()
+    del iterators
+    warming = _StuckDecoder(warms_up=True)
+    with ThreadLoader(images, batch_size=3, decoder=warming) as built:
+        assert warming.entered.wait(5)
+        try:
+            assert 0.8 < _timed(built.close) < 1.6
+            assert _timed(built.close) < 0.2
+            assert _timed(lambda: built.__exit__(None, None, None)) < 0.2
+        finally:
+            warming.gate.set()
+    service_stuck = _StuckDecoder(warms_up=True)
+    served = BatchDecoder(decoder=service_stuck, num_threads=1)
+    assert service_stuck.entered.wait(5)
+    try:
+        assert 0.8 < _timed(lambda: served.close(cancel_pending=True)) < 1.6  # the warm-up's second too
+        assert _timed(lambda: served.close(cancel_pending=True)) < 0.2
+    finally:
+        service_stuck.gate.set()
+
+
+def test_a_warm_up_that_raises_a_base_exception_logs_it_and_prints_no_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only Exception was caught: "Exception in thread threadloader-warmup-0" went to stderr."""
+
+    class Abort(BaseException):
+        pass
+
+    class Aborting(PillowDecoder):
+        warms_up = True
+
+        def decode(self, encoded, **options):  # type: ignore[no-untyped-def]
+            if threading.current_thread().name.startswith("threadloader-warmup"):
+                raise Abort("a library's own BaseException")
+            return super().decode(encoded, **options)
+
+    printed: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    with ThreadLoader(folder(tmp_path), batch_size=3, decoder=Aborting()) as loader:
+        assert len(list(loader)) == 2  # the readers decode as ever
+    assert printed == []

@@ -155,10 +155,13 @@ class Runtime:
             self._consumer_ahead, self._streak = ahead, 0
         self.decoder.consumer_ahead(ahead)
 
-    def close(self) -> None:
-        """Stops the warm-up, and lets the decoder built here go (its Decoders' memory). Idempotent."""
+    def close(self, *, until: float | None = None) -> None:
+        """Stops the warm-up, and lets the decoder built here go (its Decoders' memory). Idempotent.
+
+        ``until``: the deadline of the wait for the warm-up's threads (see :meth:`Warmup.close`).
+        """
         if self._warmup is not None:
-            self._warmup.close()
+            self._warmup.close(until=until)
         if self._built:
             self.decoder.close()
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 
-from ._cancel import check_cancelled
+from ._cancel import Cancelled, check_cancelled
 from ._handoff import ReaderStream
 from ._pipeline import BatchProducer
 from ._stats import StatsRecorder
@@ -98,7 +99,9 @@ class Warmup:
                 source=samples, stats=StatsRecorder(), on_error="skip", on_skip=_ignore, collate=None
             )
             producer.produce([range(len(samples))], self._readers[index % len(self._readers)])
-        except Exception:  # the readers' first batch does the same and raises it to the consumer
+        except Cancelled:  # its owner was closed: the thread group's to end
+            raise
+        except BaseException:  # the readers' first batch does the same and raises it to the consumer
             logger.debug("threadloader: the background warm-up failed", exc_info=True)
         finally:
             with self._lock:
@@ -121,14 +124,19 @@ class Warmup:
             check_cancelled()
         check_cancelled()
 
-    def close(self) -> None:
-        """Stops the warm-up at its next step (its owner was closed), waiting up to ``JOIN_TIMEOUT``.
+    def close(self, *, until: float | None = None) -> None:
+        """Stops the warm-up at its next step (its owner was closed), waiting until ``until``.
 
-        A step in nvImageCodec (loading it, making a Decoder) or a kernel's compilation is not
-        interrupted: the threads end after it, on their own, and interpreter exit waits for them.
+        ``until`` is a ``time.monotonic()`` deadline, by default ``JOIN_TIMEOUT`` from now. A step in
+        nvImageCodec (loading it, making a Decoder) or a kernel's compilation is not interrupted: the
+        threads end after it, on their own, and interpreter exit waits for them. Only the first close
+        waits: an owner's close, its ``with`` block's and its finalizer's each waited a second again.
         """
+        if self._group.cancelled.is_set():
+            return
         self._group.cancel()
-        self._group.join(JOIN_TIMEOUT)
+        deadline = time.monotonic() + JOIN_TIMEOUT if until is None else until
+        self._group.join_by(deadline)
 
 
 def _ignore(_error: SampleError) -> None:

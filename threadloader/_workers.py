@@ -155,8 +155,12 @@ class ThreadGroup:
         """
         if timeout is None:
             self.join_until(None)
-        else:
-            _uninterrupted(functools.partial(self.join_until, time.monotonic() + timeout))
+            return not self.alive()
+        return self.join_by(time.monotonic() + timeout)
+
+    def join_by(self, deadline: float) -> bool:
+        """:meth:`join` until a ``time.monotonic()`` deadline, which an owner's several groups share."""
+        _uninterrupted(functools.partial(self.join_until, deadline))
         return not self.alive()
 
     def join_until(self, deadline: float | None) -> None:
@@ -341,7 +345,9 @@ class OrderedPool(Generic[T]):
             error = self._closed_error
         raise error()  # outside the lock: the exit hook's error keeps a daemon thread here (_exiting)
 
-    def close(self, error: Callable[[], BaseException] = StopIteration) -> None:
+    def close(
+        self, error: Callable[[], BaseException] = StopIteration, *, until: float | None = None
+    ) -> None:
         """Stops taking tasks, drops pending results, cancels the work in progress and joins the threads.
 
         Threads end at their next cancellation check; this waits up to :data:`JOIN_TIMEOUT` for that. A
@@ -350,6 +356,8 @@ class OrderedPool(Generic[T]):
         Args:
             error: Makes what ``next()`` raises from now on (the first close decides); the default
                 ends an iteration as if the tasks were exhausted.
+            until: The ``time.monotonic()`` deadline of the wait instead, shared by an owner that closes
+                several pools (a loader's iterators each waited a second in turn).
 
         A pool already closed returns at once: the first close waits for the threads (a consumer's
         ``next()`` that the close woke closes again, and with a reader stuck in a read waited another
@@ -360,7 +368,9 @@ class OrderedPool(Generic[T]):
         _uninterrupted(
             functools.partial(self._shut, error),
             self._group.cancel,
-            functools.partial(self._group.join_until, time.monotonic() + JOIN_TIMEOUT),
+            functools.partial(
+                self._group.join_until, time.monotonic() + JOIN_TIMEOUT if until is None else until
+            ),
         )
 
     @property

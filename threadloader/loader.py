@@ -29,7 +29,7 @@ from ._runtime import Runtime
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import OrderedPool, WeakRegistry
+from ._workers import JOIN_TIMEOUT, OrderedPool, WeakRegistry
 from .decode.base import ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
@@ -419,9 +419,10 @@ class ThreadLoader:
         with self._lock:
             self._closed = True
             iterators = self._iterators.live()
+        until = time.monotonic() + JOIN_TIMEOUT  # one wait for all: each iterator's took a second in turn
         for iterator in iterators:
-            iterator.close(error=_closed_error)
-        self._runtime.close()
+            iterator.close(error=_closed_error, until=until)
+        self._runtime.close(until=until)
 
     def __enter__(self) -> ThreadLoader:
         return self
@@ -556,13 +557,16 @@ class _EpochIterator:
             if outcome is not None:
                 return outcome
 
-    def close(self, *, error: Callable[[], BaseException] = StopIteration) -> None:
+    def close(
+        self, *, error: Callable[[], BaseException] = StopIteration, until: float | None = None
+    ) -> None:
         """Stops this pass; ``next()`` then raises ``error()`` (the first close decides).
 
-        The default ends the pass as a closed generator does; reader threads stop at their next step.
+        The default ends the pass as a closed generator does; reader threads stop at their next step,
+        waited for until ``until`` (see :meth:`OrderedPool.close`).
         """
         self._pending.clear()
-        self._pool.close(error)
+        self._pool.close(error, until=until)
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         if not _finalizing() and getattr(self, "_pool", None) is not None:  # see ThreadLoader.__del__

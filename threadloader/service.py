@@ -21,6 +21,7 @@ import itertools
 import numbers
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class _Batching(Generic[T, R]):
     """The queue, workers and counters that :class:`BatchDecoder` and :class:`MicroBatcher` share."""
 
     _group: ThreadGroup | None = None  # set last by _start: the finalizer closes only a started service
+    _joined = False  # whether a close has waited for the workers
 
     def _start(
         self,
@@ -185,9 +187,9 @@ class _Batching(Generic[T, R]):
     def close(self, *, cancel_pending: bool = False) -> None:
         """Stops the service; further ``submit`` calls raise :class:`LoaderClosedError`. Idempotent.
 
-        Called in a worker (from a future's done-callback), it returns at once: the workers answer what
-        is left as above, then stop. Waiting there for the other workers would wait forever for one
-        doing the same.
+        Only the first close waits. Called in a worker (from a future's done-callback), it returns at
+        once: the workers answer what is left as above, then stop. Waiting there for the other workers
+        would wait forever for one doing the same.
 
         Args:
             cancel_pending: ``False`` (default) runs every request already queued, then stops: close
@@ -195,10 +197,19 @@ class _Batching(Generic[T, R]):
                 raise ``CancelledError``); the batches being run still complete, and the workers are
                 joined within about a second.
         """
+        self._close(cancel_pending, time.monotonic() + JOIN_TIMEOUT)
+
+    def _close(self, cancel_pending: bool, until: float) -> None:
+        """:meth:`close`, a bounded wait ending at ``until`` (``time.monotonic()``)."""
         self._queue.close(cancel_pending=cancel_pending)
         assert self._group is not None
-        if threading.current_thread() not in self._group.threads:
-            self._group.join(JOIN_TIMEOUT if cancel_pending else None)
+        if threading.current_thread() in self._group.threads or self._joined:
+            return  # only the first close waits: a with block's, then a finalizer's, each waited again
+        self._joined = True
+        if cancel_pending:
+            self._group.join_by(until)
+        else:
+            self._group.join(None)
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -395,8 +406,9 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
                 raise ``CancelledError``); the batches being decoded still complete, and the workers
                 are joined within about a second.
         """
-        super().close(cancel_pending=cancel_pending)
-        self._runtime.close()
+        until = time.monotonic() + JOIN_TIMEOUT  # one bounded wait for the workers and the warm-up
+        self._close(cancel_pending, until)
+        self._runtime.close(until=until)
 
     def _checked(self, data: Encoded) -> Encoded:
         """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""
