@@ -172,6 +172,23 @@ def test_a_glob_that_cannot_be_expanded_names_the_brace_syntax(spec: str, says: 
 
 
 @pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"index_threads": 0}, ValueError, "index_threads must be at least 1, got 0"),  # was accepted
+        ({"index_threads": 2.5}, ValueError, r"index_threads must be an int, got 2\.5"),
+        # was "'int' object is not iterable"
+        ({"image": 5}, TypeError, r"image must be an extension or a list of them .*got 5"),
+        ({"image": ["jpg", 5]}, TypeError, r"got \['jpg', 5\]"),
+    ],
+)
+def test_bad_shard_arguments_are_named(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        TarShards("nowhere/{0..1}.tar", **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     ("spec", "expected"),
     [
         ("a/{000..003}.tar", ["a/000.tar", "a/001.tar", "a/002.tar", "a/003.tar"]),

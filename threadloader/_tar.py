@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
+from ._checks import check_count
 from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import filesystem, is_url
 from .errors import ThreadLoaderError
@@ -402,6 +403,7 @@ class TarShards:
         storage_options: dict[str, Any] | None = None,
         index_threads: int = 16,
     ) -> None:
+        check_count("index_threads", index_threads, optional=False)
         if target not in (*_TARGETS, None):
             raise ValueError(f"target must be one of {_TARGETS} or None, got {target!r}")
         if target_key is not None and target != "json":
@@ -548,6 +550,12 @@ def _matching(pattern: str) -> list[str]:
 def _extensions(image: str | Sequence[str] | None) -> tuple[str, ...]:
     if image is None:
         return tuple(ext.lstrip(".") for ext in IMAGE_EXTENSIONS)
+    if not isinstance(image, str) and not (
+        isinstance(image, Sequence) and all(isinstance(name, str) for name in image)
+    ):
+        raise TypeError(
+            f"image must be an extension or a list of them ('jpg', ['jpg', 'png']), got {image!r}"
+        )
     names = image.split(";") if isinstance(image, str) else list(image)
     extensions = tuple(name.strip().lstrip(".").lower() for name in names if name.strip())
     if not extensions:
