@@ -194,3 +194,15 @@ def test_an_end_marker_in_the_header_is_not_the_files_end() -> None:
             assert has_end_marker(blob) is False
     assert has_end_marker(data) is True
     assert has_end_marker(data + b"motion photo") is True
+
+
+def test_a_memoryview_of_wider_items_is_read_by_its_bytes() -> None:
+    """Positions counted items: a valid JPEG seen through a uint32 or 2-D view had no end marker."""
+    data = with_orientation(photo(20, 30, 4), 6)
+    padded = data + bytes(-len(data) % 4)  # a whole number of uint32 items, the marker in the tail
+    for view in (
+        memoryview(np.frombuffer(padded, dtype=np.uint32)),
+        memoryview(np.frombuffer(padded, dtype=np.uint8).reshape(-1, 4)),
+    ):
+        assert has_end_marker(view) is True
+        assert exif_orientation(view) == 6 and not xmp_orientation_only(view)

@@ -17,7 +17,7 @@ import pytest
 
 from threadloader import SampleError, ShardError, TarShards, ThreadLoader
 
-from .conftest import distinct_jpegs, pil_reference, run_script
+from .conftest import distinct_jpegs, encode, photo, pil_reference, run_script
 from .test_tar import member_offset, sample, write_shard
 
 fsspec = pytest.importorskip("fsspec", reason="remote sources need fsspec: pip install -e '.[remote]'")
@@ -403,3 +403,19 @@ def test_a_file_url_of_a_fifo_is_its_samples_read_error(tmp_path: Path) -> None:
         list(ThreadLoader([url], batch_size=1, device="cpu"))
     assert (info.value.stage, info.value.origin) == ("read", url)
     assert "not a regular file" in info.value.reason
+
+
+def test_an_unknown_protocol_is_its_samples_read_error_wherever_it_stands() -> None:
+    """The construction's check of the first URL's protocol raised fsspec's bare ValueError for one it
+    does not know, so the list's order decided between that and a skipped sample."""
+    import fsspec
+
+    with fsspec.open("memory://threadloader-known.png", "wb") as f:
+        f.write(encode(photo(8, 8, 1), fmt="PNG"))
+    for urls in (
+        ["foo://x.png", "memory://threadloader-known.png"],
+        ["memory://threadloader-known.png", "foo://x.png"],
+    ):
+        with ThreadLoader([(u, 0) for u in urls], batch_size=2, on_error="skip", device="cpu") as loader:
+            assert sum(len(targets) for _, targets in loader) == 1
+            assert loader.stats().skipped == 1

@@ -1009,3 +1009,27 @@ def test_a_failed_requests_origin_counts_its_bytes_not_its_items() -> None:
             with pytest.raises(SampleError) as caught:
                 service.decode(data)
             assert caught.value.origin.endswith(f", {size} bytes")
+
+
+def test_a_second_close_waits_for_the_answers_as_the_first_does() -> None:
+    """A close that returned because another had waited left requests unanswered (and freed the
+    decoder under them, on a BatchDecoder)."""
+
+    def slow(items: list[int]) -> list[int]:
+        time.sleep(0.3)
+        return items
+
+    batcher = MicroBatcher(slow, max_batch=1, max_delay_ms=0)
+    futures = [batcher.submit(i) for i in range(3)]
+    first = threading.Thread(target=batcher.close)
+    first.start()
+    time.sleep(0.05)
+    batcher.close()  # another thread's, while the first waits
+    assert all(future.done() for future in futures)
+    first.join(5)
+    cancelled = MicroBatcher(slow, max_batch=1, max_delay_ms=0)
+    running = cancelled.submit(1)
+    time.sleep(0.05)
+    cancelled.close(cancel_pending=True)
+    cancelled.close()  # waits for the batch under way
+    assert running.result(0) == 1

@@ -421,3 +421,18 @@ def test_a_warm_up_that_raises_a_base_exception_logs_it_and_prints_no_traceback(
     with ThreadLoader(folder(tmp_path), batch_size=3, decoder=Aborting()) as loader:
         assert len(list(loader)) == 2  # the readers decode as ever
     assert printed == []
+
+
+def test_a_close_meanwhile_in_another_thread_waits_with_the_first(tmp_path: Path) -> None:
+    """A second close that returned at once left the warm-up's thread running under its caller."""
+    warming = _StuckDecoder(warms_up=True)
+    built = ThreadLoader(folder(tmp_path), batch_size=3, decoder=warming)
+    assert warming.entered.wait(5)
+    try:
+        first = threading.Thread(target=built.close)
+        first.start()
+        time.sleep(0.2)
+        assert 0.5 < _timed(built.close) < 1.2  # until the first's deadline, not a second of its own
+        first.join(5)
+    finally:
+        warming.gate.set()

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
@@ -550,13 +550,13 @@ def _matching(pattern: str) -> list[str]:
 def _extensions(image: str | Sequence[str] | None) -> tuple[str, ...]:
     if image is None:
         return tuple(ext.lstrip(".") for ext in IMAGE_EXTENSIONS)
-    if not isinstance(image, str) and not (
-        isinstance(image, Sequence) and all(isinstance(name, str) for name in image)
-    ):
+    names = image.split(";") if isinstance(image, str) else None
+    if names is None and isinstance(image, Iterable):
+        names = list(image)
+    if names is None or not all(isinstance(name, str) for name in names):
         raise TypeError(
             f"image must be an extension or a list of them ('jpg', ['jpg', 'png']), got {image!r}"
         )
-    names = image.split(";") if isinstance(image, str) else list(image)
     extensions = tuple(name.strip().lstrip(".").lower() for name in names if name.strip())
     if not extensions:
         raise ValueError(f"image must name at least one extension, got {image!r}")

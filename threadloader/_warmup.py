@@ -77,6 +77,7 @@ class Warmup:
     ) -> None:
         self._done = threading.Event()
         self._lock = threading.Lock()
+        self._deadline: float | None = None  # the first close's: every close waits until it
         self._batches = threads
         self._prepare = prepare
         self._running = threads + (prepare is not None)
@@ -129,13 +130,15 @@ class Warmup:
 
         ``until`` is a ``time.monotonic()`` deadline, by default ``JOIN_TIMEOUT`` from now. A step in
         nvImageCodec (loading it, making a Decoder) or a kernel's compilation is not interrupted: the
-        threads end after it, on their own, and interpreter exit waits for them. Only the first close
-        waits: an owner's close, its ``with`` block's and its finalizer's each waited a second again.
+        threads end after it, on their own, and interpreter exit waits for them. Every close waits
+        until the first one's deadline: an owner's close, its ``with`` block's and its finalizer's each
+        waited a second again, and one in another thread meanwhile still waits with the first.
         """
-        if self._group.cancelled.is_set():
-            return
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + JOIN_TIMEOUT if until is None else until
+            deadline = self._deadline
         self._group.cancel()
-        deadline = time.monotonic() + JOIN_TIMEOUT if until is None else until
         self._group.join_by(deadline)
 
 

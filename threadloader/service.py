@@ -107,7 +107,6 @@ class _Batching(Generic[T, R]):
     """The queue, workers and counters that :class:`BatchDecoder` and :class:`MicroBatcher` share."""
 
     _group: ThreadGroup | None = None  # set last by _start: the finalizer closes only a started service
-    _joined = False  # whether a close has waited for the workers
 
     def _start(
         self,
@@ -187,9 +186,9 @@ class _Batching(Generic[T, R]):
     def close(self, *, cancel_pending: bool = False) -> None:
         """Stops the service; further ``submit`` calls raise :class:`LoaderClosedError`. Idempotent.
 
-        Only the first close waits. Called in a worker (from a future's done-callback), it returns at
-        once: the workers answer what is left as above, then stop. Waiting there for the other workers
-        would wait forever for one doing the same.
+        Called in a worker (from a future's done-callback), it returns at once: the workers answer what
+        is left as above, then stop. Waiting there for the other workers would wait forever for one
+        doing the same.
 
         Args:
             cancel_pending: ``False`` (default) runs every request already queued, then stops: close
@@ -203,13 +202,12 @@ class _Batching(Generic[T, R]):
         """:meth:`close`, a bounded wait ending at ``until`` (``time.monotonic()``)."""
         self._queue.close(cancel_pending=cancel_pending)
         assert self._group is not None
-        if threading.current_thread() in self._group.threads or self._joined:
-            return  # only the first close waits: a with block's, then a finalizer's, each waited again
-        self._joined = True
+        if threading.current_thread() in self._group.threads:
+            return
         if cancel_pending:
             self._group.join_by(until)
         else:
-            self._group.join(None)
+            self._group.join(None)  # every close waits for the answers, a second one (another thread's) too
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -408,7 +406,7 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         """
         until = time.monotonic() + JOIN_TIMEOUT  # one bounded wait for the workers and the warm-up
         self._close(cancel_pending, until)
-        self._runtime.close(until=until)
+        self._runtime.close(until=until if cancel_pending else None)  # after a drain: its own second
 
     def _checked(self, data: Encoded) -> Encoded:
         """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""

@@ -24,12 +24,23 @@ _ABSENT = 0  # _tiff_orientation's answer for a directory without the tag
 _XMP = b"http://ns.adobe.com/xap/1.0/\x00"
 
 
+def _octets(data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    """``data`` indexed by byte, which every position here counts in.
+
+    A memoryview of wider items (a uint32 array's) or of several dimensions becomes one of its bytes.
+    """
+    if not isinstance(data, memoryview) or (data.format in ("B", "b", "c") and data.ndim == 1):
+        return data
+    return data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
+
+
 def _segments(data: bytes | bytearray | memoryview) -> list[tuple[int, int, int]]:
     """``(marker, position, length)`` of each header segment, up to and with the first scan's.
 
     A list made by one plain loop: asked of every JPEG the GPU decodes (:func:`xmp_orientation_only`),
     where a generator's per-segment cost was most of the answer's.
     """
+    data = _octets(data)
     if data[:2] != b"\xff\xd8":
         return []
     found = []
@@ -59,7 +70,7 @@ def normalize_gray_sampling(data: bytes | bytearray | memoryview) -> bytes | byt
     single component the factors do not change how the image is coded (its scan is non-interleaved,
     one block per MCU), so rewriting them to 1x1 is exact.
     """
-    view = memoryview(data)
+    view = memoryview(_octets(data))
     for marker, position, _ in _segments(view):
         if marker == _SOS:  # a scan before any frame header: not a JPEG we can reason about
             return data
@@ -104,7 +115,7 @@ def xmp_orientation_only(data: bytes | bytearray | memoryview) -> bool:
 
 def _orientation(data: bytes | bytearray | memoryview) -> tuple[int | None, bool]:
     """EXIF's orientation (1 where it has none; ``None`` unsure), and whether only XMP gives one."""
-    view = memoryview(data)
+    view = memoryview(_octets(data))
     exif: bytes | None = None
     xmp = False
     for marker, position, length in _segments(view):
@@ -156,6 +167,7 @@ def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) ->
     it does in the header: an EXIF thumbnail ends with one, so a camera file cut early in its scan
     would have passed.
     """
+    data = _octets(data)
     if data[-2:] == b"\xff\xd9":  # where nearly every file has it
         return True
     scan = next((position for marker, position, _ in _segments(data) if marker == _SOS), None)
