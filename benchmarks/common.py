@@ -235,8 +235,10 @@ def take(
             marks.append((before, _event()))
         step(batch)
         images += batch[0].shape[0]
-    if on_device is not None:
-        torch.cuda.synchronize()
+    if on_device is not None and marks:
+        # The last mark's own event, not the device: a device-wide sync also waited for the loader's
+        # work on later batches, which the window's clock would then count.
+        marks[-1][1].synchronize()
         on_device.append(sum(before.elapsed_time(after) for before, after in marks) / 1000)
     return images, waited
 

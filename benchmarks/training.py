@@ -92,7 +92,7 @@ class TrainingRow:
     main_cpu_ms_per_step: list[float] = field(default_factory=list)
     main_voluntary_per_step: list[float] = field(default_factory=list)
     main_involuntary_per_step: list[float] = field(default_factory=list)
-    #: This process's CPU seconds (all its threads, no DataLoader workers) over the window's wall ones.
+    #: CPU seconds of this process and its workers (DataLoader's) over the window's wall seconds.
     process_cores: list[float] = field(default_factory=list)
     startup_s: float | None = None  # building the loader and its first batch's data, the pause left out
     build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
@@ -204,11 +204,15 @@ def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int, d
     """One timed window of ``steps`` steps, run in the calling (main) thread; appends its values."""
     on_device: list[float] | None = [] if device == "cuda" else None
     switches = common.context_switches()
-    started = time.perf_counter()  # the wall clock outermost: no CPU time read outside it
-    thread_cpu, process_cpu = time.thread_time(), time.process_time()
+    # All processes' CPU (DataLoader workers too), read outside the wall clock: a walk over /proc
+    # takes milliseconds, which would stretch the window; the main thread's is read inside it.
+    process_cpu = common.cpu_seconds()
+    started = time.perf_counter()
+    thread_cpu = time.thread_time()
     images, waited = common.take(stream, step, steps, on_device=on_device)
-    thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
+    thread_cpu = time.thread_time() - thread_cpu
     wall = time.perf_counter() - started
+    process_cpu = common.cpu_seconds() - process_cpu
     switched = common.context_switches()
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
