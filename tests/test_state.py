@@ -515,3 +515,53 @@ def test_a_resumed_pass_whose_first_group_close_empties_goes_on_without_index_er
         iterator._pending = EmptiedByClose()  # type: ignore[attr-defined]
         _, targets = next(iterator)  # the next group's first batch: no IndexError
         assert len(targets) == BATCH
+
+
+def test_a_checkpoint_taken_as_a_batch_is_handed_over_counts_only_what_the_loop_got(
+    samples: list[tuple[bytes, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The count went up before the batch was handed over: a signal handler that saved the state there
+    and raised (Ctrl-C, SIGTERM "save and exit") made the resumed run skip a batch."""
+    from threadloader import _handoff
+
+    (expected,) = uninterrupted(samples, 1)
+    saved: list[dict[str, Any]] = []
+    handed = _handoff.Ready.receive
+
+    def interrupted(ready: Any, *args: Any, **kwargs: Any) -> None:
+        handed(ready, *args, **kwargs)
+        if len(received) == 3:  # the fourth batch, as it is handed over
+            saved.append(loader.state_dict())
+            raise KeyboardInterrupt
+
+    received: Run = []
+    monkeypatch.setattr(_handoff.Ready, "receive", interrupted)
+    with make(samples) as loader, pytest.raises(KeyboardInterrupt):
+        for images, targets in loader:
+            received.append((images, targets.tolist()))
+    monkeypatch.setattr(_handoff.Ready, "receive", handed)
+    assert saved[0]["batches"] == 3
+    with make(samples) as resumed:
+        resumed.load_state_dict(saved[0])
+        assert_same(received + take(resumed), expected)
+
+
+def test_a_checkpoint_taken_as_an_epoch_starts_is_that_epoch(
+    samples: list[tuple[bytes, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal handler's state_dict() while iter() set up the epoch read "the next epoch from its
+    start" (the lock is re-entrant), so the resumed run skipped the whole epoch."""
+    from threadloader import loader as loader_module
+
+    saved: list[dict[str, Any]] = []
+    original = loader_module.BatchPlan.set_epoch
+
+    def set_epoch(plan: Any, epoch: int, **options: Any) -> None:  # inside iter(), with the lock held
+        saved.append(built.state_dict())
+        original(plan, epoch, **options)
+
+    with make(samples) as built:
+        built.set_epoch(5)
+        monkeypatch.setattr(loader_module.BatchPlan, "set_epoch", set_epoch)
+        iter(built)
+    assert (saved[0]["epoch"], saved[0]["batches"]) == (5, 0)

@@ -292,10 +292,12 @@ class ThreadLoader:
             on_sampler = self._plan.epoch_set_on_the_sampler(overridden=given)
             if on_sampler is not None:
                 epoch = on_sampler  # the user's sampler.set_epoch(e), as DataLoader leaves it
+            # The new progress first: a signal handler's state_dict() (this lock is re-entrant) reads
+            # either it, or the old epoch and start it was made from; never "the next epoch from 0".
+            self._progress = progress = _Progress(epoch, start)
             self._next_epoch, self._epoch_given = epoch + 1, False
             self._resume = 0
             self._plan.set_epoch(epoch, given=given)
-            self._progress = progress = _Progress(epoch, start)
             groups, drop = resume_groups(
                 progress.count(self._plan.batches(epoch)), self.decode_batch_size, start
             )
@@ -524,6 +526,9 @@ class _EpochIterator:
             raise
         batch.ready.receive()
         self._stats.count_many(batches=1, samples=len(batch.indices))
+        # Counted once the batch is the consumer's: a checkpoint taken before (another thread's, a
+        # signal handler's that then raises) must not count a batch the loop never got.
+        self._progress.consumed += 1
         return batch.images, batch.targets
 
     def _next_batch(self) -> Batch:
@@ -553,9 +558,9 @@ class _EpochIterator:
                     raise outcome
                 finally:  # the traceback holds this frame, which holds the iterator and its loader
                     del outcome
-            self._progress.consumed += 1
             if outcome is not None:
-                return outcome
+                return outcome  # counted by __next__ once handed over
+            self._progress.consumed += 1  # a batch whose every sample was skipped: passed
 
     def close(
         self, *, error: Callable[[], BaseException] = StopIteration, until: float | None = None
