@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from importlib import resources
 
@@ -25,7 +24,7 @@ from ._cancel import Cancelled, check_cancelled
 from ._handoff import ReaderStream
 from ._pipeline import BatchProducer
 from ._stats import StatsRecorder
-from ._workers import JOIN_TIMEOUT, POLL, ThreadGroup
+from ._workers import POLL, ThreadGroup, close_deadline
 from .errors import SampleError
 
 __all__ = ["Warmup", "warmup_source"]
@@ -136,7 +135,7 @@ class Warmup:
         """
         with self._lock:
             if self._deadline is None:
-                self._deadline = time.monotonic() + JOIN_TIMEOUT if until is None else until
+                self._deadline = close_deadline(until)
             deadline = self._deadline
         self._group.cancel()
         self._group.join_by(deadline)

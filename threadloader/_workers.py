@@ -38,7 +38,15 @@ from ._cancel import Cancelled, bind_cancel
 from ._gil import MERGE_INTERVAL
 from .errors import LoaderClosedError
 
-__all__ = ["JOIN_TIMEOUT", "POLL", "OrderedPool", "ThreadGroup", "WeakRegistry", "available_cpus"]
+__all__ = [
+    "JOIN_TIMEOUT",
+    "POLL",
+    "OrderedPool",
+    "ThreadGroup",
+    "WeakRegistry",
+    "available_cpus",
+    "close_deadline",
+]
 
 T = TypeVar("T")
 
@@ -47,6 +55,8 @@ T = TypeVar("T")
 JOIN_TIMEOUT = 1.0
 #: Longest a thread waits before checking again whether its owner closed (wake-ups are immediate).
 POLL = 0.5
+
+
 #: Seconds interpreter exit waits before saying on stderr which threads it is waiting for.
 EXIT_NOTICE = 10.0
 
@@ -82,6 +92,14 @@ _groups: WeakRegistry[ThreadGroup] = WeakRegistry()
 #: before finalization.
 _exited = False
 _exit_lock = threading.Lock()
+
+
+def close_deadline(until: float | None = None) -> float:
+    """The ``time.monotonic()`` deadline of a close's wait.
+
+    ``until``, an owner's deadline shared by the groups it closes, else :data:`JOIN_TIMEOUT` from now.
+    """
+    return time.monotonic() + JOIN_TIMEOUT if until is None else until
 
 
 class ThreadGroup:
@@ -368,9 +386,7 @@ class OrderedPool(Generic[T]):
         _uninterrupted(
             functools.partial(self._shut, error),
             self._group.cancel,
-            functools.partial(
-                self._group.join_until, time.monotonic() + JOIN_TIMEOUT if until is None else until
-            ),
+            functools.partial(self._group.join_until, close_deadline(until)),
         )
 
     @property

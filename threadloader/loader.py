@@ -29,7 +29,7 @@ from ._runtime import Runtime
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import JOIN_TIMEOUT, OrderedPool, WeakRegistry
+from ._workers import OrderedPool, WeakRegistry, close_deadline
 from .decode.base import ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
@@ -421,7 +421,7 @@ class ThreadLoader:
         with self._lock:
             self._closed = True
             iterators = self._iterators.live()
-        until = time.monotonic() + JOIN_TIMEOUT  # one wait for all: each iterator's took a second in turn
+        until = close_deadline()  # one wait for all: each iterator's took a second in turn
         for iterator in iterators:
             iterator.close(error=_closed_error, until=until)
         self._runtime.close(until=until)

@@ -21,7 +21,6 @@ import itertools
 import numbers
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from ._serving.engine import Engine, Runner, serve
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue
 from ._stats import STAGES, StatsRecorder
-from ._workers import JOIN_TIMEOUT, ThreadGroup
+from ._workers import ThreadGroup, close_deadline
 from .decode.base import Encoded, ImageDecoder
 from .errors import QueueFullError
 from .transforms import Transform
@@ -196,7 +195,7 @@ class _Batching(Generic[T, R]):
                 raise ``CancelledError``); the batches being run still complete, and the workers are
                 joined within about a second.
         """
-        self._close(cancel_pending, time.monotonic() + JOIN_TIMEOUT)
+        self._close(cancel_pending, close_deadline())
 
     def _close(self, cancel_pending: bool, until: float) -> None:
         """:meth:`close`, a bounded wait ending at ``until`` (``time.monotonic()``)."""
@@ -404,7 +403,7 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
                 raise ``CancelledError``); the batches being decoded still complete, and the workers
                 are joined within about a second.
         """
-        until = time.monotonic() + JOIN_TIMEOUT  # one bounded wait for the workers and the warm-up
+        until = close_deadline()  # one bounded wait for the workers and the warm-up
         self._close(cancel_pending, until)
         self._runtime.close(until=until if cancel_pending else None)  # after a drain: its own second
 
