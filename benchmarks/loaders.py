@@ -49,6 +49,8 @@ class Work:
     ``augment``: RandomResizedCrop + flip + normalize (training augmentation) instead of a resize;
     ``normalize``: ImageNet's mean and std. ``on_built`` is called once the loader is built, before its
     first batch is asked for (where a training row pauses, as a script's own set-up would).
+    ``on_stats`` gets a ThreadLoader row's ``loader.stats`` once it is built, for the rows that record
+    its host time per stage; other loaders never call it.
     """
 
     size: Size
@@ -57,6 +59,7 @@ class Work:
     augment: bool = False
     normalize: bool = False
     on_built: Callable[[], None] = lambda: None
+    on_stats: Callable[[Callable[[], Any]], None] = lambda stats: None
 
     @property
     def normalized(self) -> bool:
@@ -481,6 +484,7 @@ def threadloader(
             region_decode=region_decode,
         ) as loader,
     ):
+        work.on_stats(loader.stats)
         work.on_built()
         for images, targets in past_the_cpu_start(loader, endless(loader), batch_size=work.batch_size):
             yield images, targets.to(work.device, non_blocking=True)  # targets come back on the CPU

@@ -436,6 +436,33 @@ def main_thread_table(found: list[ResultFile]) -> list[str]:
     return ["", *table(header, body)] if body else []
 
 
+def stage_table(found: list[ResultFile]) -> list[str]:
+    """ThreadLoader's host ms per batch in each stage beside the step, per row that recorded them.
+
+    Summed over the reader threads, so a row's stages can add up to more than its step: against
+    ``ms/step`` they say which stage would be the first to hold the step up.
+    """
+    rows = [
+        (label, row)
+        for label, result in zip(labels(found), found, strict=True)
+        for row in result.rows
+        if row["status"] == "ok" and row.get("stage_ms_per_batch")
+    ]
+    stages = list(
+        dict.fromkeys(stage for _, row in rows for window in row["stage_ms_per_batch"] for stage in window)
+    )
+    header = ["file", "step", "pipeline", "loader", "ms/step", *(f"{stage} ms" for stage in stages)]
+    body = []
+    for label, row in rows:
+        windows = row["stage_ms_per_batch"]
+        cells = [number(statistics.median(row["ms_per_step"]), ".1f")]
+        for stage in stages:
+            values = [window[stage] for window in windows if stage in window]
+            cells.append(number(statistics.median(values) if values else None, ".2f"))
+        body.append([label, *training_key(row), *cells])
+    return ["", *table(header, body)] if body else []
+
+
 def training_chart(found: list[ResultFile]) -> Draw:
     """One panel per step kind; a bar per loader row and file, the fixed input as a dashed line."""
 
@@ -546,7 +573,7 @@ def training(results: Path, charts: bool) -> list[str]:
         return no_results("training*.json")
     draw = training_chart(found) if charts else None
     chart = image(results, "training", "training step beside each loader", draw)
-    return [*training_table(found, page=True), *main_thread_table(found), *chart]
+    return [*training_table(found, page=True), *main_thread_table(found), *stage_table(found), *chart]
 
 
 def gil(results: Path, charts: bool) -> list[str]:

@@ -36,6 +36,8 @@ class StreamUse:
     busy_us: float = 0.0
     intervals: list[Interval] = field(default_factory=list)
     queued_us: list[float] = field(default_factory=list)  # GPU start - host launch, per matched item
+    by_name: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # name -> summed us
+    counts: Counter[str] = field(default_factory=Counter)  # kernel (or copy) name -> items
 
 
 @dataclass
@@ -48,8 +50,24 @@ class Summary:
     overlap_us: float  # time with loader and training work both running
     queued_us: dict[str, list[float]]  # role -> launch-to-start delays
 
-    def text(self) -> str:
-        """A short report: per stream, then overlap and queueing per role."""
+    def loader_kernels(self) -> list[tuple[str, int, float]]:
+        """The loader's kernels and copies by name: (name, items, summed microseconds), largest first."""
+        durations: defaultdict[str, float] = defaultdict(float)
+        counts: Counter[str] = Counter()
+        for s in self.streams:
+            if s.role == "loader":
+                for name, us in s.by_name.items():
+                    durations[name] += us
+                counts.update(s.counts)
+        return sorted(((name, counts[name], us) for name, us in durations.items()), key=lambda k: -k[2])
+
+    def text(self, *, steps: int | None = None, top: int = 12) -> str:
+        """A short report: per stream, overlap and queueing per role, then the loader's kernels by name.
+
+        Args:
+            steps: Steps in the profiled window; with it, the kernels' time is also given per step.
+            top: How many of the loader's kernel names to list.
+        """
         lines = [f"GPU timeline over {self.span_us / 1000:.1f} ms of profiled steps"]
         lines.append("| stream | role | kernels+copies | busy ms | queued median us | queued p90 us |")
         lines.append("|---|---|---|---|---|---|")
@@ -73,7 +91,26 @@ class Summary:
                 f"{role}: queued before starting, median {median} us, p90 {p90} us, max {worst} us "
                 f"({len(delays)} launches matched)"
             )
+        kernels = self.loader_kernels()
+        if kernels:
+            per_step = f" | ms per step ({steps})" if steps else ""
+            rule = "|---|---|---|" + "---|" * bool(steps)
+            lines += ["", f"| loader kernel or copy | items | ms{per_step} |", rule]
+            total = sum(us for _, _, us in kernels)
+            for name, count, us in [*kernels[:top], ("all", sum(c for _, c, _ in kernels), total)]:
+                cells = [_short(name), str(count), f"{us / 1000:.2f}"]
+                if steps:
+                    cells.append(f"{us / 1000 / steps:.3f}")
+                lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+
+def _short(name: str, width: int = 90) -> str:
+    """A kernel's name without its return type, template arguments and parameters, for a table cell."""
+    name = name.removeprefix("void ")
+    for bracket in ("<", "("):
+        name = name.split(bracket, 1)[0] or name
+    return (name[: width - 1] + "…" if len(name) > width else name).replace("|", "/")
 
 
 def _quantiles(values: Sequence[float]) -> tuple[str, str]:
@@ -136,6 +173,9 @@ def summarize(events: Sequence[dict[str, Any]], *, main_tid: int) -> Summary:
         start, duration = float(e["ts"]), float(e.get("dur", 0.0))
         use.kernels += 1
         use.intervals.append((start, start + duration))
+        name = str(e.get("name") or e["cat"])
+        use.by_name[name] += duration
+        use.counts[name] += 1
         launch = launches.get(e["args"].get("correlation"))
         if launch is not None:
             matched[stream] += 1

@@ -94,6 +94,9 @@ class TrainingRow:
     main_involuntary_per_step: list[float] = field(default_factory=list)
     #: CPU seconds of this process and its workers (DataLoader's) over the window's wall seconds.
     process_cores: list[float] = field(default_factory=list)
+    #: ThreadLoader rows: per window, ``loader.stats()``'s host ms per batch handed out, per stage
+    #: (summed over the reader threads, so they can add up to more than a step).
+    stage_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
     startup_s: float | None = None  # building the loader and its first batch's data, the pause left out
     build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
     first_batch_s: float | None = None  # after the pause, to the first batch's data ready
@@ -123,14 +126,23 @@ def fixed_input(*, size: tuple[int, int], batch_size: int, device: str) -> Gener
 
 
 def _loader(
-    spec: RowSpec, args: argparse.Namespace, on_built: Callable[[], None]
+    spec: RowSpec,
+    args: argparse.Namespace,
+    on_built: Callable[[], None],
+    on_stats: Callable[[Callable[[], Any]], None],
 ) -> Generator[Batch, None, None]:
     """The row's batch generator (not started: its first ``next()`` builds the loader, then ``on_built``)."""
     size, device, b = OUTPUT_SIZE[SET], args.device, args.batch_size
     if spec.loader == "fixed_input":
         return fixed_input(size=size, batch_size=b, device=device)
     work = loaders.Work(
-        size, b, device, augment=spec.pipeline == "augment", normalize=True, on_built=on_built
+        size,
+        b,
+        device,
+        augment=spec.pipeline == "augment",
+        normalize=True,
+        on_built=on_built,
+        on_stats=on_stats,
     )
     if spec.loader == "threadloader":
         engine, options = spec.engine or None, spec.options
@@ -161,13 +173,14 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
         step_peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
         memory.start()
         built: list[float] = []
+        stats: list[Callable[[], Any]] = []  # the ThreadLoader's stats(), once built
 
         def pause() -> None:  # the script's own set-up between building the loader and its loop
             built.append(time.perf_counter())
             time.sleep(args.startup_pause)
 
         loaders.preload(spec.loader)  # imports are no one's start-up
-        stream = _loader(spec, args, pause)
+        stream = _loader(spec, args, pause, stats.append)
         started = time.perf_counter()
         first = next(stream)
         common.sync(device)  # the first batch's data ready, as benchmarks.run times it: no step in it
@@ -183,10 +196,10 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
         common.take(stream, step, args.warmup)
         _progress(f"started in {row.startup_s:.1f} s, warmed up")
         if args.profile:
-            _profile(row, stream, step, args)
+            _profile(row, stream, step, args, stats=stats[0] if stats else None)
         else:
             for window in range(args.windows):
-                _window(row, stream, step, args.steps, args.device)
+                _window(row, stream, step, args.steps, args.device, stats=stats[0] if stats else None)
                 _progress(f"window {window + 1}: {row.images_per_s[-1]:,.0f} img/s, {_diagnostics(row)}")
         row.extra_device_mb = memory.stop()
         if device == "cuda":
@@ -200,9 +213,21 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
     return row
 
 
-def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int, device: str) -> None:
-    """One timed window of ``steps`` steps, run in the calling (main) thread; appends its values."""
+def _window(
+    row: TrainingRow,
+    stream: Iterator[Batch],
+    step: Step,
+    steps: int,
+    device: str,
+    *,
+    stats: Callable[[], Any] | None = None,
+) -> None:
+    """One timed window of ``steps`` steps, run in the calling (main) thread; appends its values.
+
+    ``stats``: the row's ``ThreadLoader.stats``, read before and after the window for its stages.
+    """
     on_device: list[float] | None = [] if device == "cuda" else None
+    before = stats() if stats is not None else None
     switches = common.context_switches()
     # All processes' CPU (DataLoader workers too), read outside the wall clock: a walk over /proc
     # takes milliseconds, which would stretch the window; the main thread's is read inside it.
@@ -214,6 +239,8 @@ def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int, d
     wall = time.perf_counter() - started
     process_cpu = common.cpu_seconds() - process_cpu
     switched = common.context_switches()
+    if before is not None and stats is not None:
+        row.stage_ms_per_batch.append(_stage_ms(before, stats()))
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
     row.data_wait_frac.append(waited / wall)
@@ -224,6 +251,17 @@ def _window(row: TrainingRow, stream: Iterator[Batch], step: Step, steps: int, d
     if switches is not None and switched is not None:
         row.main_voluntary_per_step.append((switched[0] - switches[0]) / steps)
         row.main_involuntary_per_step.append((switched[1] - switches[1]) / steps)
+
+
+def _stage_ms(before: Any, after: Any) -> dict[str, float]:
+    """Host ms per batch handed out between two ``LoaderStats``, per stage."""
+    batches = after.batches - before.batches
+    if batches <= 0:
+        return {}
+    return {
+        stage: 1000 * (seconds - before.stage_seconds[stage]) / batches
+        for stage, seconds in after.stage_seconds.items()
+    }
 
 
 def _diagnostics(row: TrainingRow) -> str:
@@ -239,18 +277,30 @@ def _diagnostics(row: TrainingRow) -> str:
     )
 
 
-def _profile(row: TrainingRow, stream: Iterator[Batch], step: Step, args: argparse.Namespace) -> None:
+def _profile(
+    row: TrainingRow,
+    stream: Iterator[Batch],
+    step: Step,
+    args: argparse.Namespace,
+    *,
+    stats: Callable[[], Any] | None = None,
+) -> None:
     """Profiles a window; writes the chrome trace and the timeline summary into ``--out``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        _window(row, stream, step, args.steps, args.device)
+        _window(row, stream, step, args.steps, args.device, stats=stats)
     args.out.mkdir(parents=True, exist_ok=True)
     trace = args.out / f"timeline-{args.profile}.json"
     prof.export_chrome_trace(str(trace))
     summary = timeline.summarize(timeline.read_trace(trace), main_tid=threading.get_native_id())
-    text = summary.text()
+    text = summary.text(steps=args.steps)
+    if row.stage_ms_per_batch:
+        stages = row.stage_ms_per_batch[-1]
+        text += "\n\nThreadLoader's host ms per batch, per stage (summed over its threads): " + ", ".join(
+            f"{stage} {ms:.2f}" for stage, ms in stages.items()
+        )
     (args.out / f"timeline-{args.profile}.md").write_text(text + "\n")
     print(text, file=sys.stderr, flush=True)
     _progress(f"wrote {trace}")

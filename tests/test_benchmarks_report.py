@@ -174,3 +174,24 @@ def test_main_thread_table_shows_each_measuring_rows_median_window(tmp_path: Pat
 
 def test_no_main_thread_table_for_files_without_the_measures() -> None:
     assert report.main_thread_table(report.load(report.RESULTS, "training.json")) == []
+
+
+def test_stage_table_shows_each_stages_median_window_beside_the_step(tmp_path: Path) -> None:
+    data = json.loads((report.RESULTS / "training.json").read_text())
+    measured = next(r for r in data["rows"] if r["status"] == "ok" and r["spec"]["loader"] == "threadloader")
+    measured |= {
+        "ms_per_step": [30.0, 50.0, 35.0],
+        "stage_ms_per_batch": [
+            {"read": 1.0, "decode": 9.0, "wait": 0.5},
+            {"read": 3.0, "decode": 5.0, "wait": 0.1},
+            {"read": 2.0, "decode": 7.0, "wait": 0.3},
+        ],
+    }
+    (tmp_path / "training.json").write_text(json.dumps(data))
+    lines = report.stage_table(report.load(tmp_path, "training*.json"))
+    assert "| file | step | pipeline | loader | ms/step | read ms | decode ms | wait ms |" in lines
+    spec = measured["spec"]
+    body = [line for line in lines if line.startswith("| Python")]
+    expected = f"| Python 3.12.3 | {spec['kind']} | {spec['pipeline']} | ThreadLoader, capi "
+    assert body == [expected + "| 35.0 | 2.00 | 7.00 | 0.30 |"]
+    assert report.stage_table(report.load(report.RESULTS, "training.json")) == []  # none recorded

@@ -309,6 +309,25 @@ def test_a_training_rows_diagnostics_beside_the_threadloader(
     for values in switches:
         assert len(values) == (windows if LINUX_STATUS else 0), values
         assert all(v >= 0 and (v * steps).is_integer() for v in values), values
+    # The loader's host time per batch handed out, per window: the readers read and decoded each batch,
+    # and the consumer's wait in next() is (within the clocks' reads) the row's own data wait.
+    assert len(row["stage_ms_per_batch"]) == windows
+    for stages, wall, wait in zip(
+        row["stage_ms_per_batch"], row["ms_per_step"], row["data_wait_frac"], strict=True
+    ):
+        assert {"read", "decode", "transform", "wait"} <= stages.keys(), stages
+        assert stages["read"] > 0 and stages["decode"] > 0, stages
+        assert all(ms >= 0 for ms in stages.values()), stages
+        assert stages["wait"] <= wait * wall + 1.0, (stages, wait * wall)
+
+
+def test_a_fixed_input_row_has_no_loader_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import training
+
+    monkeypatch.setattr(training, "make_step", lambda **_: lambda batch: None)
+    row = training.measure(training.RowSpec(kind="eager", loader="fixed_input"), _training_args())
+    assert row.status == "ok", row.reason
+    assert row.stage_ms_per_batch == []
 
 
 def test_an_old_training_row_reads_with_no_diagnostics() -> None:

@@ -12,7 +12,7 @@ MAIN, READER = 100, 200
 
 
 def _launched(
-    correlation: int, *, by: int, at: float, start: float, dur: float, stream: int
+    correlation: int, *, by: int, at: float, start: float, dur: float, stream: int, name: str = "k"
 ) -> list[dict[str, Any]]:
     """A launch by thread ``by`` at ``at`` and its kernel on ``stream`` from ``start`` for ``dur``."""
     launch = {
@@ -25,7 +25,7 @@ def _launched(
     }
     kernel = {
         "cat": "kernel",
-        "name": "k",
+        "name": name,
         "ts": start,
         "dur": dur,
         "tid": stream,
@@ -73,6 +73,24 @@ def test_a_stream_launched_mostly_by_readers_is_the_loaders() -> None:
         *_launched(3, by=READER, at=0, start=2, dur=1, stream=9),
     ]
     assert [s.role for s in summarize(events, main_tid=MAIN).streams] == ["loader"]
+
+
+def test_the_loaders_kernels_by_name_per_step() -> None:
+    resize = "void resize<float, 3>(Params, int)"
+    events = [
+        *_launched(1, by=MAIN, at=0, start=0, dur=500, stream=7, name="gemm"),  # training: not listed
+        *_launched(2, by=READER, at=0, start=10, dur=100, stream=20, name=resize),
+        *_launched(3, by=READER, at=0, start=200, dur=50, stream=21, name=resize),
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 300, "dur": 10, "args": {"stream": 30}},
+    ]
+    summary = summarize(events, main_tid=MAIN)
+    assert summary.loader_kernels() == [(resize, 2, 150), ("Memcpy HtoD", 1, 10)]
+    text = summary.text(steps=2)
+    assert "| resize | 2 | 0.15 | 0.075 |" in text
+    assert "| Memcpy HtoD | 1 | 0.01 | 0.005 |" in text
+    assert "| all | 3 | 0.16 | 0.080 |" in text
+    assert "gemm" not in text
+    assert "| resize | 2 | 0.15 |" in summary.text()  # without steps, no per-step column
 
 
 @pytest.mark.parametrize("events", [[], [{"cat": "cpu_op", "ts": 0, "dur": 1, "args": {}}]])
