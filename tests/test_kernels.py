@@ -82,3 +82,17 @@ def test_what_the_kernel_does_not_cover_is_left_to_torch() -> None:
     batch = _padded([(8, 8)], 3)
     assert _kernels.resample(batch.double(), [(0, 0, 8, 8)], (4, 4), dtype=torch.float64) is None
     assert _kernels.resample(batch[:, :1], [(0, 0, 8, 8)], (4, 4), dtype=torch.uint8) is None  # one channel
+
+
+def test_each_image_gets_the_taps_of_its_own_downscale() -> None:
+    """Each program walks its own image's taps: a batch of a large image among small ones (factors of 1
+    to 9) must come out as each image resized alone, the large one with all its taps, the small ones
+    unaffected by the large one's."""
+    sizes = [(12, 14), (90, 117), (16, 10), (9, 9)]
+    batch = _padded(sizes, 4)
+    regions = [(0, 0, h, w) for h, w in sizes]
+    out = _kernels.resample(batch, regions, (10, 13), dtype=torch.float32)
+    assert out is not None
+    for image, region, got in zip(batch, regions, out.cpu(), strict=True):
+        # float32 sums over up to 21 x 21 taps: the last bits differ from torch's two passes
+        torch.testing.assert_close(got, _reference(image, region, (10, 13)), rtol=1e-5, atol=1e-3)

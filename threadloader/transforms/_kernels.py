@@ -16,7 +16,6 @@ kernel does not cover), :func:`resample` returns ``None`` and the caller uses to
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ _ON_CPU = False
 
 
 #: The kernel's numbers that differ between batches, and its pointers (an image's rows start anywhere).
-_VARYING = ("s_b", "s_c", "s_h", "s_w", "o_b", "o_c", "o_h", "o_w", "out_h", "out_w", "taps_y", "taps_x")
+_VARYING = ("s_b", "s_c", "s_h", "s_w", "o_b", "o_c", "o_h", "o_w", "out_h", "out_w")
 _POINTERS = ("source", "out", "boxes")
 
 
@@ -65,8 +64,6 @@ def _kernel() -> Any:
         o_w,
         out_h,
         out_w,
-        taps_y,
-        taps_x,
         divide,
         mean0,
         mean1,
@@ -92,6 +89,10 @@ def _kernel() -> Any:
         scale_x = width.to(tl.float32) / out_w
         support_y = tl.maximum(scale_y, 1.0)
         support_x = tl.maximum(scale_x, 1.0)
+        # This image's own taps (a tap past them has no weight): a batch's largest image would make
+        # every program walk its taps, the square of its downscale factor per output pixel.
+        taps_y = tl.ceil(2.0 * support_y).to(tl.int32) + 2
+        taps_x = tl.ceil(2.0 * support_x).to(tl.int32) + 2
         sx = tl.where(flip != 0, out_w - 1 - ox, ox)  # the output column a flipped image reads from
         center_y = (oy.to(tl.float32) + 0.5) * scale_y
         center_x = (sx.to(tl.float32) + 0.5) * scale_x
@@ -197,9 +198,6 @@ def resample(
         for (top, left, height, width), flip in zip(regions, flips or [False] * count, strict=True)
         for value in (top, left, height, width, int(flip))
     ]
-    scale_y = max(height / out_h for _, _, height, _ in regions)
-    scale_x = max(width / out_w for _, _, _, width in regions)
-    taps_y, taps_x = math.ceil(2 * max(scale_y, 1.0)) + 2, math.ceil(2 * max(scale_x, 1.0)) + 2
     layout = torch.channels_last if channels_last else torch.contiguous_format
     out = torch.empty((count, 3, out_h, out_w), dtype=dtype, device=images.device, memory_format=layout)
     means = tuple(mean) if mean is not None else (0.0, 0.0, 0.0)
@@ -212,8 +210,6 @@ def resample(
         *out.stride(),
         out_h,
         out_w,
-        taps_y,
-        taps_x,
         float(divide),
         *means,
         *stds,
