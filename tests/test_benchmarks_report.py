@@ -152,9 +152,27 @@ def test_the_gpus_data_wait_stands_beside_the_hosts(tmp_path: Path) -> None:
     assert "| 2% (GPU 12%) |" in text
 
 
+#: The training rows' measures that older files lack: each table below shows only the rows that have them.
+DIAGNOSTICS = (
+    "main_cpu_ms_per_step",
+    "main_voluntary_per_step",
+    "main_involuntary_per_step",
+    "process_cores",
+    "stage_ms_per_batch",
+)
+
+
+def _training_without_diagnostics() -> dict:
+    """The committed training.json with no row's diagnostics, as a file from before they were measured."""
+    data = json.loads((report.RESULTS / "training.json").read_text())
+    for row in data["rows"]:
+        for name in DIAGNOSTICS:
+            row.pop(name, None)
+    return data
+
+
 def test_main_thread_table_shows_each_measuring_rows_median_window(tmp_path: Path) -> None:
-    shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
-    data = json.loads((tmp_path / "training.json").read_text())
+    data = _training_without_diagnostics()
     measured = next(r for r in data["rows"] if r["status"] == "ok" and r["spec"]["loader"] == "threadloader")
     measured |= {
         "ms_per_step": [30.0, 50.0, 35.0],
@@ -172,12 +190,14 @@ def test_main_thread_table_shows_each_measuring_rows_median_window(tmp_path: Pat
     assert body == [expected + "| 35.0 | 21.0 | 60.0 | 3.0 | 5.0 |"]
 
 
-def test_no_main_thread_table_for_files_without_the_measures() -> None:
-    assert report.main_thread_table(report.load(report.RESULTS, "training.json")) == []
+def test_no_main_thread_table_for_files_without_the_measures(tmp_path: Path) -> None:
+    (tmp_path / "training.json").write_text(json.dumps(_training_without_diagnostics()))
+    found = report.load(tmp_path, "training*.json")
+    assert report.main_thread_table(found) == [] and report.stage_table(found) == []
 
 
 def test_stage_table_shows_each_stages_median_window_beside_the_step(tmp_path: Path) -> None:
-    data = json.loads((report.RESULTS / "training.json").read_text())
+    data = _training_without_diagnostics()
     measured = next(r for r in data["rows"] if r["status"] == "ok" and r["spec"]["loader"] == "threadloader")
     measured |= {
         "ms_per_step": [30.0, 50.0, 35.0],
@@ -194,4 +214,3 @@ def test_stage_table_shows_each_stages_median_window_beside_the_step(tmp_path: P
     body = [line for line in lines if line.startswith("| Python")]
     expected = f"| Python 3.12.3 | {spec['kind']} | {spec['pipeline']} | ThreadLoader, capi "
     assert body == [expected + "| 35.0 | 2.00 | 7.00 | 0.30 |"]
-    assert report.stage_table(report.load(report.RESULTS, "training.json")) == []  # none recorded
