@@ -243,6 +243,17 @@ def take(
     return images, waited
 
 
+def stage_ms(before: Any, after: Any) -> dict[str, float]:
+    """Host ms per batch handed out between two ``ThreadLoader.stats()`` snapshots, per stage."""
+    batches = after.batches - before.batches
+    if batches <= 0:
+        return {}
+    return {
+        stage: 1000 * (seconds - before.stage_seconds[stage]) / batches
+        for stage, seconds in after.stage_seconds.items()
+    }
+
+
 def _event() -> torch.cuda.Event:
     """A timing event recorded on the current stream now."""
     event = torch.cuda.Event(enable_timing=True)

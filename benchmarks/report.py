@@ -442,25 +442,37 @@ def stage_table(found: list[ResultFile]) -> list[str]:
     Summed over the reader threads, so a row's stages can add up to more than its step: against
     ``ms/step`` they say which stage would be the first to hold the step up.
     """
-    rows = [
-        (label, row)
-        for label, result in zip(labels(found), found, strict=True)
-        for row in result.rows
-        if row["status"] == "ok" and row.get("stage_ms_per_batch")
+    entries = []
+    for label, result in zip(labels(found), found, strict=True):
+        for row in result.rows:
+            if row["status"] != "ok" or not row.get("stage_ms_per_batch"):
+                continue
+            windows = row["stage_ms_per_batch"]
+            stages = {
+                stage: statistics.median(w[stage] for w in windows if stage in w)
+                for stage in dict.fromkeys(stage for w in windows for stage in w)
+            }
+            step = number(statistics.median(row["ms_per_step"]), ".1f")
+            entries.append(([label, *training_key(row), step], stages))
+    return _stages_table(["file", "step", "pipeline", "loader", "ms/step"], entries)
+
+
+def throughput_stage_table(found: list[ResultFile]) -> list[str]:
+    """ThreadLoader's host ms per batch in each stage alone (each stage's median repeat), where recorded."""
+    entries = [
+        ([label, r["name"], number(r.get("ms_per_batch"), ".1f")], r["stage_ms_per_batch"])
+        for result, label in zip(found, file_labels(found, set_title), strict=True)
+        for r in result.rows
+        if r["status"] == "ok" and r.get("stage_ms_per_batch")
     ]
-    stages = list(
-        dict.fromkeys(stage for _, row in rows for window in row["stage_ms_per_batch"] for stage in window)
-    )
-    header = ["file", "step", "pipeline", "loader", "ms/step", *(f"{stage} ms" for stage in stages)]
-    body = []
-    for label, row in rows:
-        windows = row["stage_ms_per_batch"]
-        cells = [number(statistics.median(row["ms_per_step"]), ".1f")]
-        for stage in stages:
-            values = [window[stage] for window in windows if stage in window]
-            cells.append(number(statistics.median(values) if values else None, ".2f"))
-        body.append([label, *training_key(row), *cells])
-    return ["", *table(header, body)] if body else []
+    return _stages_table(["set", "loader", "ms/batch"], entries)
+
+
+def _stages_table(header: list[str], entries: list[tuple[list[str], dict[str, float]]]) -> list[str]:
+    """A column per stage that any entry recorded, after each entry's own cells."""
+    stages = list(dict.fromkeys(stage for _, recorded in entries for stage in recorded))
+    body = [[*cells, *(number(recorded.get(s), ".2f") for s in stages)] for cells, recorded in entries]
+    return ["", *table([*header, *(f"{stage} ms" for stage in stages)], body)] if body else []
 
 
 def training_chart(found: list[ResultFile]) -> Draw:
@@ -549,7 +561,8 @@ def throughput(results: Path, charts: bool) -> list[str]:
     if not found:
         return no_results("throughput-*.json")
     draw = throughput_chart(found, "images/s") if charts else None
-    return [*throughput_tables(found, page=True), *image(results, "throughput", "images/s per loader", draw)]
+    chart = image(results, "throughput", "images/s per loader", draw)
+    return [*throughput_tables(found, page=True), *throughput_stage_table(found), *chart]
 
 
 def queued_title(result: ResultFile) -> str:

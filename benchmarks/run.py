@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -72,10 +73,13 @@ class Row:
     extra_gpu_mb: float | None = None
     torch_reserved_mb: float | None = None
     data_wait_frac: float | None = None
+    #: ThreadLoader rows: ``loader.stats()``'s host ms per timed batch, per stage (summed over its threads).
+    stage_ms_per_batch: dict[str, float] = field(default_factory=dict)
 
 
-#: The measurements summarized over repeats: median, min and max of the repeats that ran.
-MEASURES = tuple(f.name for f in fields(Row))[8:]  # the fields after ``pid``
+#: The measurements summarized over repeats: median, min and max of the repeats that ran (the numbers
+#: after ``pid``; the stages are summarized stage by stage, ``Result.stages``).
+MEASURES = tuple(f.name for f in fields(Row) if f.name != "stage_ms_per_batch")[8:]
 
 
 @dataclass
@@ -112,6 +116,12 @@ class Result:
         spread = self.spread(measure)
         return None if spread is None else spread.median
 
+    def stages(self) -> dict[str, float]:
+        """Each stage's median host ms per batch over the repeats that recorded it."""
+        recorded = [r.stage_ms_per_batch for r in self.ok]
+        names = dict.fromkeys(stage for stages in recorded for stage in stages)
+        return {stage: statistics.median(s[stage] for s in recorded if stage in s) for stage in names}
+
 
 def results_json(results: list[Result], **context: Any) -> dict[str, Any]:
     """The run's JSON: ``context`` (command, hardware, config), then the rows.
@@ -131,6 +141,7 @@ def results_json(results: list[Result], **context: Any) -> dict[str, Any]:
             | {"min": {m: s and s.low for m, s in spreads.items()}}
             | {"max": {m: s and s.high for m, s in spreads.items()}}
             | {"ratio_vs_pil": None if base is None or speed is None else speed / base}
+            | {"stage_ms_per_batch": result.stages()}
             | {"repeats": [asdict(r) for r in result.repeats]}
         )
     return context | {"rows": rows}
@@ -158,6 +169,8 @@ class Case:
     loader: str
     batch_size: int
     make: Callable[[], Generator[Batch, None, None]]
+    #: Where a ThreadLoader row's generator leaves ``loader.stats`` once built (``Work.on_stats``).
+    stats: list[Callable[[], Any]] = field(default_factory=list)
 
 
 def measure(case: Case, *, device: str, warmup: int, batches: int) -> Row:
@@ -189,10 +202,14 @@ def measure(case: Case, *, device: str, warmup: int, batches: int) -> Row:
         common.sync(device)
         row.startup_s = time.perf_counter() - start
         common.take(stream, step, warmup)
+        stats = case.stats[0] if case.stats else None
+        before = stats() if stats is not None else None
         cpu0, start = common.cpu_seconds(), time.perf_counter()
         row.images, waited = common.take(stream, step, batches)
         wall = time.perf_counter() - start
         row.cpu_cores = (common.cpu_seconds() - cpu0) / wall
+        if stats is not None and before is not None:
+            row.stage_ms_per_batch = common.stage_ms(before, stats())
         row.batches = batches
         row.images_per_s = row.images / wall
         row.ms_per_batch = 1000 * wall / batches
@@ -214,10 +231,11 @@ def cases(args: argparse.Namespace, root: Path) -> list[Case]:
 
     def case(loader: str, label: str, source: Any, batch_size: int = b, **kwargs: Any) -> Case:
         """A row of ``loaders.<loader>`` over ``source`` (the files, or their folder)."""
-        work = loaders.Work(OUTPUT_SIZE[args.set], batch_size, args.device, args.augment, args.normalize)
-        return Case(
-            f"{loader} {label}", loader, batch_size, partial(getattr(loaders, loader), source, work, **kwargs)
-        )
+        stats: list[Callable[[], Any]] = []
+        size, device = OUTPUT_SIZE[args.set], args.device
+        work = loaders.Work(size, batch_size, device, args.augment, args.normalize, on_stats=stats.append)
+        make = partial(getattr(loaders, loader), source, work, **kwargs)
+        return Case(f"{loader} {label}", loader, batch_size, make, stats)
 
     def ours(label: str, batch_size: int, **kwargs: Any) -> Case:
         label += f" b={batch_size}{common.option_label(args.threadloader_options)}"

@@ -240,7 +240,7 @@ def _window(
     process_cpu = common.cpu_seconds() - process_cpu
     switched = common.context_switches()
     if before is not None and stats is not None:
-        row.stage_ms_per_batch.append(_stage_ms(before, stats()))
+        row.stage_ms_per_batch.append(common.stage_ms(before, stats()))
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
     row.data_wait_frac.append(waited / wall)
@@ -251,17 +251,6 @@ def _window(
     if switches is not None and switched is not None:
         row.main_voluntary_per_step.append((switched[0] - switches[0]) / steps)
         row.main_involuntary_per_step.append((switched[1] - switches[1]) / steps)
-
-
-def _stage_ms(before: Any, after: Any) -> dict[str, float]:
-    """Host ms per batch handed out between two ``LoaderStats``, per stage."""
-    batches = after.batches - before.batches
-    if batches <= 0:
-        return {}
-    return {
-        stage: 1000 * (seconds - before.stage_seconds[stage]) / batches
-        for stage, seconds in after.stage_seconds.items()
-    }
 
 
 def _diagnostics(row: TrainingRow) -> str:

@@ -214,3 +214,19 @@ def test_stage_table_shows_each_stages_median_window_beside_the_step(tmp_path: P
     body = [line for line in lines if line.startswith("| Python")]
     expected = f"| Python 3.12.3 | {spec['kind']} | {spec['pipeline']} | ThreadLoader, capi "
     assert body == [expected + "| 35.0 | 2.00 | 7.00 | 0.30 |"]
+
+
+def test_throughput_stage_table_shows_the_rows_that_recorded_stages(tmp_path: Path) -> None:
+    data = json.loads((report.RESULTS / "throughput-fixed.json").read_text())
+    for row in data["rows"]:
+        row.pop("stage_ms_per_batch", None)
+    (tmp_path / "throughput-fixed.json").write_text(json.dumps(data))
+    assert report.throughput_stage_table(report.load(tmp_path, "throughput-*.json")) == []
+    ours = next(r for r in data["rows"] if r["loader"] == "threadloader")
+    ours |= {"ms_per_batch": 4.5, "stage_ms_per_batch": {"read": 1.25, "decode": 3.0}}
+    (tmp_path / "throughput-fixed.json").write_text(json.dumps(data))
+    lines = report.throughput_stage_table(report.load(tmp_path, "throughput-*.json"))
+    assert "| set | loader | ms/batch | read ms | decode ms |" in lines
+    assert [line for line in lines if ours["name"] in line] == [
+        f"| fixed set, 256x256, batch 64 | {ours['name']} | 4.5 | 1.25 | 3.00 |"
+    ]

@@ -40,6 +40,25 @@ def test_each_repeat_of_a_row_runs_in_a_fresh_child_process(
     assert None not in pids and len(set(pids)) == 2 and os.getpid() not in pids, pids
     first, second = (r.images_per_s or 0.0 for r in result.repeats)
     assert result.median("images_per_s") == pytest.approx((first + second) / 2)
+    # Each repeat's loader stages over its timed batches: the readers read and decoded every one.
+    for repeat in result.repeats:
+        assert repeat.stage_ms_per_batch["read"] > 0 and repeat.stage_ms_per_batch["decode"] > 0, repeat
+        assert repeat.stage_ms_per_batch["wait"] <= (repeat.ms_per_batch or 0) + 1.0, repeat
+
+
+def test_a_rows_stages_are_each_stages_median_over_the_repeats_that_ran() -> None:
+    result = Result("x b=8", "threadloader", 8)
+    result.repeats = [
+        _row(stage_ms_per_batch={"read": 1.0, "decode": 9.0}),
+        _row("failed", "killed", stage_ms_per_batch={"read": 100.0, "decode": 100.0}),
+        _row(stage_ms_per_batch={"read": 3.0, "decode": 5.0, "parse": 2.0}),
+        _row(stage_ms_per_batch={"read": 2.0, "decode": 7.0}),
+    ]
+    assert result.stages() == {"read": 2.0, "decode": 7.0, "parse": 2.0}
+    (row,) = run.results_json([result], command="", hardware={}, config={})["rows"]
+    assert row["stage_ms_per_batch"] == {"read": 2.0, "decode": 7.0, "parse": 2.0}
+    assert "stage_ms_per_batch" not in row["min"]  # not a number to summarize as one
+    assert Result("y", "dali", 8, [_row()]).stages() == {}
 
 
 def _row(status: str = "ok", reason: str = "", **values: Any) -> Row:
