@@ -96,3 +96,25 @@ def test_each_image_gets_the_taps_of_its_own_downscale() -> None:
     for image, region, got in zip(batch, regions, out.cpu(), strict=True):
         # float32 sums over up to 21 x 21 taps: the last bits differ from torch's two passes
         torch.testing.assert_close(got, _reference(image, region, (10, 13)), rtol=1e-5, atol=1e-3)
+
+
+def test_what_the_kernel_would_clamp_or_not_scale_is_left_to_torch() -> None:
+    """Integers wider than uint8 would come out clamped to 0-255; float [0, 1] to uint8 as 0 or 1."""
+    batch = _padded([(8, 8)], 5)
+    for dtype in (torch.int16, torch.int32, torch.int8):
+        assert _kernels.resample(batch.to(dtype), [(0, 0, 8, 8)], (4, 4), dtype=dtype) is None, dtype
+    floats = batch.float() / 255
+    assert _kernels.resample(floats, [(0, 0, 8, 8)], (4, 4), dtype=torch.uint8) is None
+    assert _kernels.resample(batch, [(0, 0, 8, 8)], (4, 4), dtype=torch.int16) is None
+    assert _kernels.resample(floats, [(0, 0, 8, 8)], (4, 4), dtype=torch.float16) is not None
+
+
+def test_float_images_formatted_to_uint8_keep_their_range() -> None:
+    """OutputFormat takes float images in [0, 1] (as ToDtype(scale=True) leaves them): to uint8, 0-255."""
+    from threadloader import _output
+
+    batch = _padded([(12, 12), (12, 12)], 6).float() / 255
+    out = _output.OutputFormat(size=(6, 6), dtype=torch.uint8).apply(batch)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.uint8
+    expected = F.interpolate(batch.cpu(), size=(6, 6), mode="bilinear", antialias=True) * 255
+    assert (out.cpu().int() - expected.round().int()).abs().max() <= 1

@@ -29,6 +29,10 @@ __all__ = ["resample"]
 #: Output pixels per program; each program reads one image's taps for them.
 _BLOCK = 256
 
+#: The dtypes it reads and writes. Integers other than ``uint8`` would be clamped to 0-255, and a float
+#: input's integer output is a scaled conversion (``[0, 1]`` to 0-255) that its rounding does not do.
+_TAKES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32)
+
 #: Run on CPU tensors too: only the tests without a GPU, under Triton's interpreter (TRITON_INTERPRET=1).
 _ON_CPU = False
 
@@ -178,7 +182,8 @@ def resample(
 
     Returns:
         A ``(B, 3, *size)`` tensor, or ``None`` where this kernel does not apply (no Triton, not on a
-        GPU, not three channels, float64): the caller then computes the same with torch's ops.
+        GPU, not three channels, a dtype in or out other than ``uint8``, float16, bfloat16 and float32,
+        or float in and ``uint8`` out): the caller then computes the same with torch's ops.
     """
     if images.device.type != "cuda" and not _ON_CPU:
         return None
@@ -187,7 +192,9 @@ def resample(
         kernel is None
         or images.dim() != 4
         or images.shape[1] != 3
-        or torch.float64 in (images.dtype, dtype)
+        or images.dtype not in _TAKES
+        or dtype not in _TAKES
+        or (images.dtype.is_floating_point and not dtype.is_floating_point)
         or len(images) == 0
     ):
         return None
