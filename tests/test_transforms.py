@@ -408,7 +408,14 @@ def test_integer_types_torch_cannot_shift_convert_by_their_value_bits(
 
 @pytest.mark.parametrize(
     ("source", "target"),
-    [(torch.float32, torch.int32), (torch.float32, torch.int64), (torch.float64, torch.int64)],
+    [
+        (torch.float32, torch.int32),
+        (torch.float32, torch.int64),
+        (torch.float64, torch.int64),
+        # half precision scales in float32: the same conversions
+        (torch.float16, torch.int32),
+        (torch.bfloat16, torch.int64),
+    ],
 )
 def test_float_to_wide_integers_is_refused_as_torchvision_refuses_it(
     source: torch.dtype, target: torch.dtype
@@ -416,6 +423,47 @@ def test_float_to_wide_integers_is_refused_as_torchvision_refuses_it(
     """1.0 came out as -2147483648."""
     with pytest.raises(RuntimeError, match="cannot be performed safely"):
         ToDtype(target, scale=True)(torch.ones(1, 1, 1, 2, dtype=source))
+
+
+def test_normalize_refuses_means_for_another_number_of_channels() -> None:
+    """Three means on four channels raised torch's broadcast error; one channel takes them all."""
+    with pytest.raises(ValueError, match="got 3 means and stds for images of 4 channels"):
+        Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))(torch.rand(4, 5, 6))
+    gray = torch.rand(1, 5, 6)
+    out = Normalize((0.5, 0.4, 0.3), (0.2, 0.2, 0.2))(gray)
+    expected = (gray - torch.tensor([0.5, 0.4, 0.3]).view(3, 1, 1)) / 0.2
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        ({"scale": 0.5}, TypeError, r"scale must be a \(min, max\) of numbers, got 0.5"),
+        ({"ratio": (1.0,)}, TypeError, r"ratio must be a \(min, max\) of numbers"),
+        ({"scale": (-1.0, 1.0)}, ValueError, r"0 <= min <= max .* got scale=\(-1.0, 1.0\)"),
+        ({"ratio": (0.0, 1.0)}, ValueError, r"0 < min <= max, got .* ratio=\(0.0, 1.0\)"),
+        ({"scale": (0.5, 0.1)}, ValueError, r"got scale=\(0.5, 0.1\)"),
+        ({"ratio": (1.0, float("inf"))}, ValueError, r"ratio=\(1.0, inf\)"),
+    ],
+)
+def test_random_resized_crop_names_a_bad_scale_or_ratio(
+    arguments: dict[str, object], error: type[Exception], match: str
+) -> None:
+    """These raised 'float' object is not subscriptable, a math domain error or torch's bounds error."""
+    with pytest.raises(error, match=match):
+        RandomResizedCrop(8, **arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("p", ["0.5", 2, -0.1])
+def test_flip_names_a_probability_that_is_not_one(p: object) -> None:
+    with pytest.raises(ValueError, match=f"p must be a probability, a number from 0 to 1, got {p!r}"):
+        RandomHorizontalFlip(p)  # type: ignore[arg-type]
+
+
+def test_to_dtype_names_a_dtype_that_is_not_one() -> None:
+    """ToDtype("float32") was built, then failed at its first batch with an AttributeError."""
+    with pytest.raises(TypeError, match=r"ToDtype takes a torch.dtype \(say torch.float32\), got 'float32'"):
+        ToDtype("float32", scale=True)  # type: ignore[arg-type]
 
 
 def test_normalize_refuses_an_image_without_channels() -> None:

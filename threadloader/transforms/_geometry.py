@@ -137,8 +137,16 @@ class RandomResizedCrop(Transform):
         antialias: bool = True,
     ) -> None:
         self.size = _sides(size, "RandomResizedCrop")
-        if scale[0] > scale[1] or ratio[0] > ratio[1]:
-            raise ValueError(f"scale and ratio must be (min, max), got {scale} and {ratio}")
+        for name, pair in (("scale", scale), ("ratio", ratio)):
+            numeric = isinstance(pair, Sequence) and all(isinstance(v, numbers.Real) for v in pair)
+            if not (numeric and len(pair) == 2):
+                raise TypeError(f"RandomResizedCrop's {name} must be a (min, max) of numbers, got {pair!r}")
+        finite = all(math.isfinite(v) for v in (*scale, *ratio))
+        if not (finite and 0 <= scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1]):
+            raise ValueError(
+                "RandomResizedCrop needs scale=(min, max) with 0 <= min <= max and ratio=(min, max) with "
+                f"0 < min <= max, got scale={scale} and ratio={ratio}"
+            )
         self.scale = scale
         self.ratio = ratio
         self.antialias = antialias
@@ -197,8 +205,8 @@ class RandomHorizontalFlip(Transform):
     random = True
 
     def __init__(self, p: float = 0.5) -> None:
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"p must be a probability, got {p}")
+        if not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"p must be a probability, a number from 0 to 1, got {p!r}")
         self.p = p
 
     def sample(self, size: tuple[int, int], generator: RandomSource) -> bool:

@@ -31,6 +31,8 @@ class ToDtype(Transform):
     """Converts the dtype; with ``scale``, uint8 0-255 maps to float [0, 1] and back."""
 
     def __init__(self, dtype: torch.dtype, *, scale: bool = False) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"ToDtype takes a torch.dtype (say torch.float32), got {dtype!r}")
         self.dtype = dtype
         self.scale = scale
 

@@ -84,8 +84,8 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     own precision 1.0 times 255.999 rounds to 256, which wraps to 0 (torchvision's white turns black).
 
     Raises:
-        RuntimeError: For float32 to int32 or int64 and float64 to int64, which cannot be scaled exactly,
-            as torchvision refuses them.
+        RuntimeError: For float32 (and so float16 and bfloat16) to int32 or int64 and float64 to int64,
+            which cannot be scaled exactly, as torchvision refuses them.
     """
     if images.dtype == dtype:
         return images
@@ -108,8 +108,14 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     return images.bitwise_right_shift(-shift).to(dtype)
 
 
-#: Float to integer conversions whose scaling is not exact (torchvision refuses the same three).
-_UNSAFE = {(torch.float32, torch.int32), (torch.float32, torch.int64), (torch.float64, torch.int64)}
+#: Float to integer conversions whose scaling is not exact: torchvision refuses the first three, and
+#: half-precision floats scale in float32 (above), so they are float32's conversions too.
+_UNSAFE = {
+    (torch.float32, torch.int32),
+    (torch.float32, torch.int64),
+    (torch.float64, torch.int64),
+    *((half, wide) for half in (torch.float16, torch.bfloat16) for wide in (torch.int32, torch.int64)),
+}
 #: Integer types whose values torch cannot shift: they shift as int64 (wide enough for their values).
 _NO_SHIFTS = (torch.uint16, torch.uint32)
 
@@ -128,6 +134,11 @@ def normalize(
         raise TypeError("normalize needs float images: convert with ToDtype(torch.float32, scale=True) first")
     if images.ndim < 3:  # a (C, 1, 1) constant would broadcast a (H, W) image into (C, H, W)
         raise ValueError(f"normalize needs images of (..., C, H, W), got shape {tuple(images.shape)}")
+    channels = images.shape[-3]
+    if channels != 1 and len(mean) not in (1, channels):  # one channel broadcasts, as torchvision's
+        raise ValueError(
+            f"normalize got {len(mean)} means and stds for images of {channels} channels: one per channel"
+        )
     mean_t = _channel_constant(tuple(float(m) for m in mean), images.device, images.dtype)
     std_t = _channel_constant(tuple(float(s) for s in std), images.device, images.dtype)
     if inplace:
