@@ -77,3 +77,35 @@ def test_image_folder_lists_nested_files_in_torchvisions_order(tmp_path: Path) -
     ]
     assert ImageFolder(tmp_path).samples == reference
     assert reference[:2] == [(str(tmp_path / "cat" / "a.jpg"), 0), (str(tmp_path / "cat" / "z.jpg"), 0)]
+
+
+def test_a_class_folder_without_images_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """A stray '.ipynb_checkpoints' folder became class 0 with no samples: every real class's target
+    shifted by one, where torchvision's ImageFolder raises."""
+    from threadloader import ImageFolder
+
+    for name in ("cat/1.jpg", "dog/2.jpg", "bird/notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"'\.ipynb_checkpoints', 'bird'; .* allow_empty=True"):
+        ImageFolder(tmp_path)
+    with pytest.raises(FileNotFoundError, match="'bird'"):
+        ThreadLoader(str(tmp_path), batch_size=1, device="cpu")
+    kept = ImageFolder(tmp_path, allow_empty=True)
+    assert kept.classes == [".ipynb_checkpoints", "bird", "cat", "dog"]  # torchvision's with allow_empty
+    assert kept.samples == [(str(tmp_path / "cat" / "1.jpg"), 2), (str(tmp_path / "dog" / "2.jpg"), 3)]
+
+
+def test_a_home_relative_root_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'~/data' was 'does not exist'; torchvision's datasets expand it."""
+    from threadloader import ImageFolder
+
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    (tmp_path / "data" / "cat" / "1.jpg").write_bytes(encode(photo(8, 8)))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ImageFolder("~/data").samples == [(str(tmp_path / "data" / "cat" / "1.jpg"), 0)]
+    with ThreadLoader("~/data", batch_size=1, device="cpu") as loader:
+        assert len(loader) == 1
+    with pytest.raises(NotADirectoryError, match="'/no/such/place' does not exist"):
+        ImageFolder("/no/such/place")

@@ -123,7 +123,13 @@ class ImageFolder:
     class, and only regular files with an extension in :data:`IMAGE_EXTENSIONS` (any case) are kept.
     Anything else with such a name (a FIFO, a socket, a device, a broken link) is left out with a
     warning: reading it could block forever. Symlinked folders are followed, each real directory once
-    per class; a link back to a folder it is inside (a loop) is not followed, with a warning.
+    per class; a link back to a folder it is inside (a loop) is not followed, with a warning. A class
+    folder with no image files is refused unless ``allow_empty`` (as torchvision's): a stray folder such
+    as ``.ipynb_checkpoints`` would otherwise shift every later class's target.
+
+    Args:
+        root: The directory; a leading ``~`` is the user's home, as torchvision's.
+        allow_empty: Keep class folders with no image files as classes with no samples.
 
     Attributes:
         root: The directory.
@@ -132,10 +138,11 @@ class ImageFolder:
         samples: ``(path, target)`` pairs in order.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | os.PathLike[str], *, allow_empty: bool = False) -> None:
+        self.root = Path(os.path.expanduser(root))
         if not self.root.is_dir():
-            raise NotADirectoryError(f"ImageFolder root {str(self.root)!r} is not a directory")
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise NotADirectoryError(f"ImageFolder root {str(self.root)!r} {what}")
         with os.scandir(self.root) as scan:
             self.classes = sorted(entry.name for entry in scan if _is_folder(entry) and not _loops(entry))
         if not self.classes:
@@ -145,11 +152,19 @@ class ImageFolder:
             )
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
+        empty = []
         for name in self.classes:
             files = _image_files(os.path.join(self.root, name))
             # torchvision's order: folders by path, each folder's own files before its sub-folders'
             in_order = sorted(files, key=lambda path: (os.path.dirname(path), os.path.basename(path)))
             self.samples.extend((path, self.class_to_idx[name]) for path in in_order)
+            empty += [] if in_order else [name]
+        if empty and self.samples and not allow_empty:
+            raise FileNotFoundError(
+                f"class folders with no image files ({', '.join(IMAGE_EXTENSIONS)}) in {str(self.root)!r}: "
+                f"{', '.join(map(repr, empty))}; every class after one would get the wrong target: remove "
+                "them, or pass ImageFolder(root, allow_empty=True) to keep them as classes without samples"
+            )
         if not self.samples:
             raise FileNotFoundError(
                 f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(self.root)!r}"
@@ -247,6 +262,8 @@ def as_source(source: object) -> Source:
         ImportError: If the source names URLs and fsspec is not installed.
     """
     if isinstance(source, (str, os.PathLike)):
+        if not is_url(os.fspath(source)):
+            source = os.path.expanduser(source)
         if os.path.isdir(source):
             return ImageFolder(source)
         if is_shard_spec(source):

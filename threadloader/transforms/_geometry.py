@@ -207,7 +207,7 @@ class RandomHorizontalFlip(Transform):
     def __init__(self, p: float = 0.5) -> None:
         if not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
             raise ValueError(f"p must be a probability, a number from 0 to 1, got {p!r}")
-        self.p = p
+        self.p: float = p
 
     def sample(self, size: tuple[int, int], generator: RandomSource) -> bool:
         """Whether to flip (torchvision's draw: one uniform number)."""
