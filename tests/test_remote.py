@@ -185,6 +185,18 @@ class _PlainHandler(SimpleHTTPRequestHandler):
         pass
 
 
+class _NoLengthHandler(_RangeHandler):
+    """Serves byte ranges but no Content-Length (a chunked answer): the shard's size is unknown."""
+
+    def send_header(self, keyword: str, value: str) -> None:
+        if keyword.lower() != "content-length":
+            super().send_header(keyword, value)
+
+    def end_headers(self) -> None:
+        self.close_connection = True  # without a length, the answer ends with the connection
+        super().end_headers()
+
+
 def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[tuple[Path, str]]:
     """Serves the new folder ``root`` over HTTP while the fixture lasts: ``(root, base URL)``."""
     pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install -e '.[remote]'")
@@ -208,6 +220,16 @@ def http(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 @pytest.fixture
 def plain_http(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     yield from _serve(tmp_path / "plain", _PlainHandler)
+
+
+def test_an_http_shard_of_unknown_size_names_what_it_lacks(tmp_path: Path, blobs: list[bytes]) -> None:
+    """fsspec reports no size without a Content-Length: int(None) raised a bare TypeError."""
+    for root, base in _serve(tmp_path / "nolength", _NoLengthHandler):
+        write_shard(root / "x.tar", [sample(blobs, 0)])
+        with pytest.raises(
+            ShardError, match=r"x\.tar: cannot index the shard: OSError: .*\(no Content-Length\)"
+        ):
+            TarShards(f"{base}/x.tar")
 
 
 def test_http_files_and_a_missing_one(http: tuple[Path, str], blobs: list[bytes]) -> None:

@@ -199,6 +199,15 @@ def test_bad_shard_arguments_are_named(
         ("x{a,b{1..2}}y", ["xay", "xb1y", "xb2y"]),
         ("plain.tar", ["plain.tar"]),
         ("s3://bucket/train-{0000..0002}.tar", [f"s3://bucket/train-{i:04d}.tar" for i in range(3)]),
+        # bash's (and WebDataset's braceexpand) steps and letters, which were kept as literal text
+        ("s-{0..6..2}.tar", ["s-0.tar", "s-2.tar", "s-4.tar", "s-6.tar"]),
+        ("{000..010..5}", ["000", "005", "010"]),
+        ("{10..1..3}", ["10", "7", "4", "1"]),
+        ("{1..5..-2}", ["1", "3", "5"]),  # bash ignores the step's sign
+        ("s-{a..c}.tar", ["s-a.tar", "s-b.tar", "s-c.tar"]),
+        ("{e..a..2}", ["e", "c", "a"]),
+        ("s-{x}.tar", ["s-{x}.tar"]),  # no comma, no range: bash keeps the braces
+        ("{{a,b}}", ["{a}", "{b}"]),
     ],
 )
 def test_brace_expansion(spec: str, expected: list[str]) -> None:
@@ -576,7 +585,7 @@ def test_unindexable_shards_raise_at_construction_naming_the_shard(
 
     not_tar = tmp_path / "notatar.tar"
     not_tar.write_bytes(blobs[0])
-    with pytest.raises(ShardError, match=r"notatar\.tar: no tar members"):
+    with pytest.raises(ShardError, match=r"notatar\.tar: no files in it: .* not a tar archive"):
         TarShards([good, not_tar])
 
     empty = tmp_path / "empty.tar"
@@ -788,6 +797,32 @@ def test_links_to_earlier_members_are_those_members(tmp_path: Path, blobs: list[
     check_pixels(images, blobs, [0, 0, 0])
     with pytest.raises(ShardError, match=r"'a/s3' has no image member .*'a/s3\.jpg' is a link"):
         source[3]
+
+
+def test_links_in_a_shard_of_dot_slash_names_are_those_members(tmp_path: Path, blobs: list[bytes]) -> None:
+    """``tar -cf shard.tar .`` names members ``./0.jpg``: a link's target, normalized to ``0.jpg``, was
+    looked for among the names as stored, and the linked sample was left out as damaged."""
+    path = write_members(
+        tmp_path / "dot.tar",
+        [
+            ("./s0.jpg", blobs[0]),
+            ("./s0.cls", b"0"),
+            ("./s1.jpg", (tarfile.SYMTYPE, "s0.jpg")),
+            ("./s1.cls", b"1"),
+            ("./s2.jpg", (tarfile.LNKTYPE, "./s0.jpg")),
+            ("./s2.cls", b"2"),
+        ],
+    )
+    with tarfile.open(path) as archive:  # the reference: tarfile follows both links
+        assert archive.extractfile("./s1.jpg").read() == archive.extractfile("./s2.jpg").read() == blobs[0]
+    source = TarShards(path)
+    assert len(source) == 3 and source.damaged == []
+    images, targets = [], []
+    for item in ThreadLoader(source, batch_size=1):
+        images += item[0]
+        targets += item[1].tolist()
+    assert targets == [0, 1, 2]
+    check_pixels(images, blobs, [0, 0, 0])
 
 
 def test_a_key_repeated_with_its_extension_starts_another_sample(tmp_path: Path, blobs: list[bytes]) -> None:

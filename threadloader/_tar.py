@@ -50,7 +50,8 @@ _TARGETS = ("auto", "cls", "txt", "json")
 
 # Compressed shards cannot be read by position: named so the error says what the file is.
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+_LETTERS = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?$")
 _GLOB = re.compile(r"[*?[]")  # what makes a local path a glob, as for the glob module
 
 
@@ -88,8 +89,10 @@ def expand_braces(pattern: str) -> list[str]:
     """Expands brace patterns as WebDataset (and bash) do.
 
     ``{000..127}`` is a numeric range, zero-padded to the wider end when either end has a leading
-    zero (and descending when the first end is larger); ``{a,b}`` lists alternatives. Groups may be
-    nested and repeated: the result is their product, leftmost group outermost.
+    zero (and descending when the first end is larger), ``{0..126..2}`` every second number of it,
+    ``{a..e}`` a range of letters (a step too); ``{a,b}`` lists alternatives, and braces around
+    anything else (``{x}``) stay as they are. Groups may be nested and repeated: the result is their
+    product, leftmost group outermost.
 
     Raises:
         ValueError: If the braces do not balance.
@@ -107,16 +110,27 @@ def expand_braces(pattern: str) -> list[str]:
     if depth:
         raise ValueError(f"unbalanced '{{' in shard pattern {pattern!r}")
     head, body, tails = pattern[:start], pattern[start + 1 : end], expand_braces(pattern[end + 1 :])
-    numeric = _RANGE.match(body)
+    numeric, letters = _RANGE.match(body), _LETTERS.match(body)
     if numeric:
-        first, last = numeric.groups()
+        first, last, by = numeric.groups()
         padded = any(len(x.lstrip("-")) > 1 and x.lstrip("-").startswith("0") for x in (first, last))
         width = max(len(first), len(last)) if padded else 0
-        step = 1 if int(last) >= int(first) else -1
-        choices = [f"{n:0{width}d}" for n in range(int(first), int(last) + step, step)]
+        choices = [f"{n:0{width}d}" for n in _steps(int(first), int(last), by)]
+    elif letters:
+        first, last, by = letters.groups()
+        choices = [chr(n) for n in _steps(ord(first), ord(last), by)]
     else:
-        choices = [expanded for part in _split_top_level(body) for expanded in expand_braces(part)]
+        parts = _split_top_level(body)
+        choices = [expanded for part in parts for expanded in expand_braces(part)]
+        if len(parts) == 1:  # no comma and no range: bash keeps the braces
+            choices = ["{" + choice + "}" for choice in choices]
     return [head + choice + tail for choice in choices for tail in tails]
+
+
+def _steps(first: int, last: int, by: str | None) -> range:
+    """``first`` to ``last``, both included, every ``|by|``-th (bash ignores the step's sign; 0 is 1)."""
+    step = abs(int(by or 1)) or 1
+    return range(first, last + 1, step) if last >= first else range(first, last - 1, -step)
 
 
 def _split_top_level(body: str) -> list[str]:
@@ -278,7 +292,13 @@ class _FsspecStorage:
         return filesystem(self._url, self._storage_options)[0]
 
     def size(self, path: str) -> int:
-        return int(self._fs().size(path))
+        size = self._fs().size(path)
+        if size is None:  # an HTTP server that sends no Content-Length
+            raise OSError(
+                "the server does not report the shard's size (no Content-Length), which indexing it by "
+                "ranged reads needs; serve it with one, or copy the shard to storage that reports sizes"
+            )
+        return int(size)
 
     def open(self, path: str) -> IO[bytes]:
         return self._fs().open(path, "rb")  # type: ignore[no-any-return]
@@ -605,7 +625,9 @@ def _index_shard(
         raise ShardError(f"{url}: cannot index the shard: {type(exc).__name__}: {exc}", shard=url) from exc
     if not members:
         raise ShardError(
-            f"{url}: no tar members: not a tar archive, or damaged from its first header", shard=url
+            f"{url}: no files in it: an empty tar archive or one of folders only, not a tar archive, "
+            "or damaged from its first header",
+            shard=url,
         )
     _group(shard, members, targets, images, target)
     return shard
@@ -680,7 +702,7 @@ def _walk(
                 )
                 continue
             members.append(member)
-            regular[member.name] = member
+            regular[posixpath.normpath(member.name)] = member
             parts = _split_name(member.name)
             if target is not None and parts is not None and parts[1] == target:
                 targets[member.offset_data] = _read_target(archive, member, size)
@@ -706,8 +728,8 @@ def _linked(link: tarfile.TarInfo, regular: dict[str, tarfile.TarInfo]) -> tarfi
     """A link as the regular member it names, under the link's own name; ``None`` if none came before."""
     name = link.linkname
     if link.issym():
-        name = posixpath.normpath(posixpath.join(posixpath.dirname(link.name), name))
-    found = regular.get(name)
+        name = posixpath.join(posixpath.dirname(link.name), name)
+    found = regular.get(posixpath.normpath(name))  # './a.jpg' (tar -cf x.tar .) is 'a.jpg', as the keys
     if found is None:
         return None
     member = copy.copy(found)
