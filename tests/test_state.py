@@ -565,3 +565,15 @@ def test_a_checkpoint_taken_as_an_epoch_starts_is_that_epoch(
         monkeypatch.setattr(loader_module.BatchPlan, "set_epoch", set_epoch)
         iter(built)
     assert (saved[0]["epoch"], saved[0]["batches"]) == (5, 0)
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.7, "x", None])
+def test_set_epoch_names_what_is_not_an_epoch(samples: list[tuple[bytes, int]], epoch: object) -> None:
+    """-1 was taken, and its state_dict() then refused by load_state_dict as damaged; 1.7 read as 1;
+    'x' and None raised int()'s errors, which named no argument."""
+    loader = ThreadLoader(samples, batch_size=2, device="cpu")
+    with pytest.raises(ValueError, match=rf"set_epoch takes an epoch, an int from 0 up, got {epoch!r}"):
+        loader.set_epoch(epoch)  # type: ignore[arg-type]
+    loader.set_epoch(torch.tensor(3))  # numpy's and 0-d tensors' integers are epochs
+    assert loader.state_dict()["epoch"] == 3
+    loader.close()

@@ -187,7 +187,11 @@ def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
     Raises:
         ValueError: For values that are not a rank of the world, naming them and where they came from.
     """
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    defaulted = world_size is None and not initialized
     if world_size is None:
         world_size = torch.distributed.get_world_size() if initialized else 1
     if rank is None:
@@ -202,9 +206,11 @@ def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
             )
         else:
             rank = 0
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} must be an int, got {value!r}")
+    elif defaulted and rank != 0:
+        raise ValueError(
+            f"rank={rank} needs world_size= too (torch.distributed is not initialized here to take it "
+            "from, so it would be 1): pass world_size=, or call torch.distributed.init_process_group() first"
+        )
     rank, world_size = int(rank), int(world_size)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")

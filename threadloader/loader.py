@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import numbers
+import operator
 import sys
 import threading
 import time
@@ -320,8 +321,17 @@ class ThreadLoader:
 
         After :meth:`load_state_dict`, setting the state's own epoch keeps its position (the usual
         ``set_epoch`` at the top of an epoch loop); another epoch starts from its first batch.
+
+        Raises:
+            ValueError: For an epoch that is not a non-negative int (numpy's and 0-d tensors' included).
         """
-        epoch = int(epoch)
+        try:
+            number = operator.index(epoch)
+        except TypeError:
+            number = -1
+        if number < 0:
+            raise ValueError(f"set_epoch takes an epoch, an int from 0 up, got {epoch!r}")
+        epoch = number
         with self._lock:
             if self._resume and epoch != self._next_epoch:
                 logger.warning(
