@@ -577,3 +577,43 @@ def test_set_epoch_names_what_is_not_an_epoch(samples: list[tuple[bytes, int]], 
     loader.set_epoch(torch.tensor(3))  # numpy's and 0-d tensors' integers are epochs
     assert loader.state_dict()["epoch"] == 3
     loader.close()
+
+
+def _oversampled() -> list[int]:
+    """A sampler's epoch that gives samples 0 and 5 several times, as WeightedRandomSampler's do."""
+    return [0, 5, 0, 1, 0, 5, 2, 0, 3, 0, 5, 0]
+
+
+def test_a_sample_given_again_in_an_epoch_draws_another_crop(samples: list[tuple[bytes, int]]) -> None:
+    """Every copy of an oversampled sample got the same crop and flip: (seed, epoch, index) keyed them
+    all alike, where DataLoader's transforms draw anew each time. The sample's own first time keeps its
+    key, so samples given once crop as before."""
+    order = _oversampled()
+    with make(samples, shuffle=False, sampler=order, batch_size=4) as loader:
+        (run,) = [take(loader)]
+    images = torch.cat([batch for batch, _ in run])
+    copies = [images[p] for p, index in enumerate(order) if index == 0]
+    assert len({c.numpy().tobytes() for c in copies}) == len(copies)  # six copies, six crops
+    # The first time keeps the key a sample given once has: the same crop as in a plain epoch.
+    with make(samples, shuffle=False, sampler=[0, 5, 1], batch_size=3) as loader:
+        (once,) = [take(loader)]
+    assert torch.equal(once[0][0][0], images[0]) and torch.equal(once[0][0][1], images[1])
+    assert torch.equal(once[0][0][2], images[3])  # sample 1, given once in both
+
+
+@pytest.mark.parametrize(("threads", "group"), [(1, None), (3, 5), (2, 12)])
+def test_repeats_crop_alike_for_any_threads_grouping_and_resume(
+    samples: list[tuple[bytes, int]], threads: int, group: int | None
+) -> None:
+    """The repeat is counted in the plan's order from the epoch's first batch: readers, groups and a
+    resume (which skips whole groups unread) all see the same count."""
+    options = {"shuffle": False, "sampler": _oversampled(), "batch_size": 2}
+    (expected,) = uninterrupted(samples, 1, **options)
+    with make(samples, num_threads=threads, decode_batch_size=group, **options) as loader:
+        iterator = iter(loader)
+        head = take(iterator, 3)
+        state = round_trip(loader.state_dict())
+    with make(samples, num_threads=threads, decode_batch_size=group, **options) as resumed:
+        resumed.load_state_dict(state)
+        tail = take(resumed)
+    assert_same(head + tail, expected)

@@ -22,6 +22,7 @@ from torch.utils.data import default_collate
 from ._cancel import check_cancelled
 from ._handoff import ReaderStream, Ready
 from ._output import OutputFormat
+from ._sampling import PlannedBatch
 from ._seeding import sample_generator
 from ._sources import Blob, Fetched, Source, fetch_batch, origin_of, read_batch
 from ._stats import StatsRecorder
@@ -117,7 +118,7 @@ class BatchProducer:
         """
         group = self._read(batches)
         check_cancelled()
-        plans = None if self._transform is None else _Plans(self._transform, self._seed, epoch, group.refs)
+        plans = None if self._transform is None else _Plans(self._transform, self._seed, epoch, group)
         with reader.active() as stream:
             decoded = self._decode(group, stream, plans)
             check_cancelled()
@@ -134,7 +135,7 @@ class BatchProducer:
             blobs = read_batch(fetched)
             reading += time.perf_counter() - middle
             fetching += middle - started
-            group.add(fetched, blobs)
+            group.add(fetched, blobs, indices.repeats if isinstance(indices, PlannedBatch) else None)
         self._stats.add_time("fetch", fetching)
         self._stats.add_time("read", reading)
         return group
@@ -237,22 +238,26 @@ class _Group:
     """A group's samples as read: the decoder's input, and each batch's samples in their order."""
 
     refs: list[Fetched] = field(default_factory=list)  # the samples read, by decoder position
+    repeats: list[int] = field(default_factory=list)  # each one's times in its epoch before (PlannedBatch)
     blobs: list[Encoded] = field(default_factory=list)
     #: Per batch, each sample's decoder position, or the error that kept it from being read.
     batches: list[list[int | SampleError]] = field(default_factory=list)
     #: Per batch, how many of its samples were read (its decoder positions are consecutive).
     sizes: list[int] = field(default_factory=list)
 
-    def add(self, fetched: list[Fetched | SampleError], blobs: list[Blob | SampleError]) -> None:
-        """Adds one batch: its samples as fetched, and what reading each gave."""
+    def add(
+        self, fetched: list[Fetched | SampleError], blobs: list[Blob | SampleError], repeats: list[int] | None
+    ) -> None:
+        """Adds one batch: its samples as fetched, what reading each gave, and each one's repeat."""
         samples: list[int | SampleError] = []
         start = len(self.blobs)
-        for sample, blob in zip(fetched, blobs, strict=True):
+        for position, (sample, blob) in enumerate(zip(fetched, blobs, strict=True)):
             if isinstance(blob, SampleError):
                 samples.append(blob)
             else:
                 samples.append(len(self.blobs))
                 self.refs.append(sample)  # type: ignore[arg-type]
+                self.repeats.append(repeats[position] if repeats is not None else 0)
                 self.blobs.append(blob)
         self.batches.append(samples)
         self.sizes.append(len(self.blobs) - start)
@@ -292,12 +297,13 @@ class _Plans:
     parameters on every path (GPU region, GPU whole, CPU) and thread count.
     """
 
-    def __init__(self, transform: Transform, seed: int, epoch: int, refs: list[Fetched]) -> None:
+    def __init__(self, transform: Transform, seed: int, epoch: int, group: _Group) -> None:
         self._transform = transform
         self.random = transform.random
         self._seed = seed
         self._epoch = epoch
-        self._refs = refs
+        self._refs = group.refs
+        self._repeats = group.repeats
         self._drawn: dict[int, tuple[tuple[int, int], Any]] = {}
         self._in_region: dict[int, Any] = {}
 
@@ -319,8 +325,8 @@ class _Plans:
         return drawn[1] if drawn is not None and drawn[0] == size else self._draw(position, size)
 
     def _draw(self, position: int, size: tuple[int, int]) -> Any:
-        index = self._refs[position][0]
-        generator = sample_generator(self._seed, self._epoch, index) if self.random else None
+        index, repeat = self._refs[position][0], self._repeats[position]
+        generator = sample_generator(self._seed, self._epoch, index, repeat) if self.random else None
         params = self._transform.sample(size, generator)
         self._drawn[position] = (size, params)
         return params

@@ -8,6 +8,7 @@ and it is ``DistributedSampler``'s permutation, so every rank of a job draws the
 
 from __future__ import annotations
 
+import array
 import numbers
 import operator
 from collections.abc import Iterable, Iterator, Sized
@@ -18,7 +19,22 @@ import torch
 
 from ._checks import check_count
 
-__all__ = ["BatchPlan", "group_batches", "resolve_shard", "resume_groups", "shard"]
+__all__ = ["BatchPlan", "PlannedBatch", "group_batches", "resolve_shard", "resume_groups", "shard"]
+
+
+class PlannedBatch(list[int]):
+    """A batch's indices, and for each how many times its epoch gave that sample before (0: the first).
+
+    A sample a sampler repeats in an epoch (``WeightedRandomSampler(replacement=True)`` oversampling a
+    class, or ``DistributedSampler``'s padding) draws its random transform once per time it comes, not
+    the same crop every time: the repeat is part of its parameters' key.
+    """
+
+    __slots__ = ("repeats",)
+
+    def __init__(self, indices: list[int], repeats: list[int]) -> None:
+        super().__init__(indices)
+        self.repeats = repeats
 
 
 class BatchPlan:
@@ -138,16 +154,22 @@ class BatchPlan:
         return first, second
 
     def batches(self, epoch: int) -> Iterator[list[int]]:
-        """Yields the batches of one epoch, lazily (samplers may be long)."""
+        """Yields the batches of one epoch, lazily (samplers may be long).
+
+        :class:`PlannedBatch` where the epoch may give a sample more than once: a sampler's, or a shard
+        padded by repeating its start.
+        """
         if self._batch_sampler is not None:
-            for batch in self._batch_sampler:
-                yield [_index(i, "batch_sampler") for i in batch]
-            return
-        if self._sampler is None:
-            yield from _chunked(self._indices(epoch), self._batch_size, drop_last=self._drop_last)
-            return
-        indices = (_index(i, "sampler") for i in self._sampler)
-        yield from _chunked(indices, self._batch_size, drop_last=self._drop_last)
+            planned = ([_index(i, "batch_sampler") for i in batch] for batch in self._batch_sampler)
+            yield from _with_repeats(planned, self._num_samples)
+        elif self._sampler is not None:
+            indices = (_index(i, "sampler") for i in self._sampler)
+            chunks = _chunked(indices, self._batch_size, drop_last=self._drop_last)
+            yield from _with_repeats(chunks, self._num_samples)
+        else:
+            batches = _chunked(self._indices(epoch), self._batch_size, drop_last=self._drop_last)
+            padded = self._world_size > 1 and not self._drop_last
+            yield from _with_repeats(batches, self._num_samples) if padded else batches
 
     def _indices(self, epoch: int) -> list[int]:
         if self._shuffle:
@@ -227,6 +249,28 @@ def _describe(obj: object) -> str | None:
         return None
     length = f" of {len(obj)}" if isinstance(obj, Sized) else ""
     return f"{type(obj).__name__}{length}"
+
+
+def _with_repeats(batches: Iterable[list[int]], num_samples: int) -> Iterator[PlannedBatch]:
+    """``batches`` as :class:`PlannedBatch`, counting each sample's times from the epoch's first batch.
+
+    Counted where the plan is consumed (under the reader pool's lock), in the plan's order, so a resumed
+    epoch counts the batches it skips too. An array of counts (4 bytes a sample) rather than a dict,
+    which would hold every index of a long epoch as an object; indices outside it (which fail when
+    read) are counted apart.
+    """
+    counts = array.array("I", bytes(4 * num_samples))
+    others: dict[int, int] = {}
+    for batch in batches:
+        repeats = []
+        for index in batch:
+            if 0 <= index < num_samples:
+                repeats.append(counts[index])
+                counts[index] = min(counts[index] + 1, 2**32 - 1)
+            else:
+                repeats.append(others.get(index, 0))
+                others[index] = repeats[-1] + 1
+        yield PlannedBatch(batch, repeats)
 
 
 def _chunked(indices: Iterable[int], size: int, *, drop_last: bool) -> Iterator[list[int]]:

@@ -1,7 +1,8 @@
 """Per-sample randomness: a random transform's parameters as a function of (seed, epoch, sample index).
 
-Drawn this way, a sample's crop does not depend on which thread made it, nor on the path (GPU region,
-GPU whole, CPU), so runs repeat whatever the thread count.
+For a sample its epoch gives more than once, of which time it is too. Drawn this way, a sample's crop
+does not depend on which thread made it, nor on the path (GPU region, GPU whole, CPU), so runs repeat
+whatever the thread count.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ RandomSource = random.Random | torch.Generator | None
 _MASK64 = (1 << 64) - 1
 
 
-def sample_generator(seed: int, epoch: int, index: int) -> random.Random:
-    """A generator for one sample's random parameters: a function of (seed, epoch, index) only.
+def sample_generator(seed: int, epoch: int, index: int, repeat: int = 0) -> random.Random:
+    """A generator for one sample's random parameters: a function of (seed, epoch, index, repeat) only.
 
-    A ``random.Random``: a sample's draws cost a few microseconds, against tens with torch's.
+    ``repeat``: how many times the epoch gave the sample before (a sampler's repeats); a first time's
+    key is (seed, epoch, index), as before repeats counted. A ``random.Random``: a sample's draws cost a
+    few microseconds, against tens with torch's.
     """
     mixed = 0x9E3779B97F4A7C15
-    for value in (seed, epoch, index):
+    for value in (seed, epoch, index, repeat) if repeat else (seed, epoch, index):
         mixed = ((mixed ^ (value & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
         mixed ^= mixed >> 31
     return random.Random(mixed)
