@@ -278,6 +278,28 @@ def test_dataset_returning_pil_image_names_the_fix(blobs: list[bytes], with_targ
     loader.close()
 
 
+@pytest.mark.parametrize("with_target", [False, True])
+def test_dataset_returning_read_file_tensors_is_told_to_return_bytes(
+    blobs: list[bytes], with_target: bool
+) -> None:
+    """torchvision.io.read_file gives a file's bytes as a 1-D uint8 tensor: the advice to return bytes
+    rather than "a decoded image" was wrong for it."""
+
+    class ReadFileDataset(Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int):
+            data = torch.frombuffer(bytearray(blobs[index]), dtype=torch.uint8)
+            return (data, index) if with_target else data
+
+    with (
+        ThreadLoader(ReadFileDataset(), batch_size=2, num_threads=1) as loader,
+        pytest.raises(SampleError, match=r"\(torchvision.io.read_file's\) goes as bytes: .*tobytes\(\)"),
+    ):
+        next(iter(loader))
+
+
 # ---------------------------------------------------------------------------------------------- order
 
 

@@ -246,6 +246,14 @@ def test_http_files_and_a_missing_one(http: tuple[Path, str], blobs: list[bytes]
     assert (info.value.index, info.value.stage, info.value.origin) == (1, "read", f"{base}/nope.jpg")
 
 
+def test_a_shard_url_with_a_query_is_a_shard(http: tuple[Path, str], blobs: list[bytes]) -> None:
+    """A signed URL ends in its query: '...x.tar?sig=...' was refused as not tar shards."""
+    root, base = http
+    write_shard(root / "x.tar", [sample(blobs, i) for i in range(3)])
+    loader = ThreadLoader(f"{base}/x.tar?sig=abc#part", batch_size=3, num_threads=1)
+    check(loader, blobs[:3], list(range(3)))
+
+
 def test_http_shards(http: tuple[Path, str], blobs: list[bytes]) -> None:
     root, base = http
     for s in range(2):

@@ -109,3 +109,10 @@ def test_a_home_relative_root_is_expanded(tmp_path: Path, monkeypatch: pytest.Mo
         assert len(loader) == 1
     with pytest.raises(NotADirectoryError, match="'/no/such/place' does not exist"):
         ImageFolder("/no/such/place")
+
+
+def test_a_folder_of_tar_shards_is_told_the_glob(tmp_path: Path) -> None:
+    """A folder of shards was told to pass a list of file paths."""
+    (tmp_path / "000000.tar").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"for a folder of tar shards pass '.*/\*\.tar'"):
+        ThreadLoader(str(tmp_path), batch_size=1, device="cpu")

@@ -460,6 +460,14 @@ def test_flip_names_a_probability_that_is_not_one(p: object) -> None:
         RandomHorizontalFlip(p)  # type: ignore[arg-type]
 
 
+def test_compose_names_a_transform_given_without_its_list() -> None:
+    """Compose(Resize(4)) raised "'Resize' object is not iterable"."""
+    with pytest.raises(
+        TypeError, match=r"Compose takes a list of transforms, got Resize\(.*\): write Compose"
+    ):
+        Compose(Resize(4))  # type: ignore[arg-type]
+
+
 def test_to_dtype_names_a_dtype_that_is_not_one() -> None:
     """ToDtype("float32") was built, then failed at its first batch with an AttributeError."""
     with pytest.raises(TypeError, match=r"ToDtype takes a torch.dtype \(say torch.float32\), got 'float32'"):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
+import torch
 from torch.utils.data import IterableDataset
 
 from ._cancel import check_cancelled
@@ -146,9 +147,15 @@ class ImageFolder:
         with os.scandir(self.root) as scan:
             self.classes = sorted(entry.name for entry in scan if _is_folder(entry) and not _loops(entry))
         if not self.classes:
+            shards = any(is_shard_spec(name) for name in os.listdir(self.root))
+            flat = (
+                f"for a folder of tar shards pass {os.path.join(self.root, '*.tar')!r}"
+                if shards
+                else ("for a flat folder pass a list of file paths")
+            )
             raise FileNotFoundError(
                 f"no class sub-folders in {str(self.root)!r}: a directory source must hold one folder per "
-                "class (root/cat/1.jpg, root/dog/2.jpg); for a flat folder pass a list of file paths"
+                f"class (root/cat/1.jpg, root/dog/2.jpg); {flat}"
             )
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
@@ -415,14 +422,19 @@ def _error(exc: Exception, index: int, origin: str, stage: str) -> SampleError:
 
 
 def _not_encoded(source: Source, index: int, item: object) -> SampleError:
+    data = item[0] if isinstance(item, tuple) and item else item
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1:
+        # torchvision.io.read_file's: a file's bytes, not a decoded image
+        hint = "a 1-D uint8 tensor of a file's bytes (torchvision.io.read_file's) goes as bytes: return "
+        hint += "tensor.numpy().tobytes(), or the file's path"
+    else:
+        hint = "threadloader decodes by itself, so return the file path or its bytes, not a decoded image"
     return SampleError(
         index=index,
         origin=f"{type(source).__name__}[{index}]",
         stage="fetch",
-        reason=(
-            f"expected a path, encoded bytes, or a (path | bytes, target) pair, got {_type_of(item)}; "
-            "threadloader decodes by itself, so return the file path or its bytes, not a decoded image"
-        ),
+        reason=f"expected a path, encoded bytes, or a (path | bytes, target) pair, got {_type_of(item)}; "
+        + hint,
     )
 
 

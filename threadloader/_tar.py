@@ -81,8 +81,14 @@ def _rebuild_shard_error(message: str, shard: str, member: str | None) -> ShardE
 
 
 def is_shard_spec(source: str | os.PathLike[str]) -> bool:
-    """Whether a path, URL, brace pattern or glob names tar shards (by its suffix)."""
-    return os.fspath(source).lower().endswith(SHARD_SUFFIXES)
+    """Whether a path, URL, brace pattern or glob names tar shards, by its suffix.
+
+    A URL's query (a signed URL's ``?X-Amz-Signature=...``) and fragment are not its suffix.
+    """
+    text = os.fspath(source)
+    if is_url(text):
+        text = text.split("#", 1)[0].split("?", 1)[0]
+    return text.lower().endswith(SHARD_SUFFIXES)
 
 
 def expand_braces(pattern: str) -> list[str]:

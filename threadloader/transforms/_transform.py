@@ -77,6 +77,8 @@ class Compose(Transform):
     """Applies transforms in order; parameters are drawn in that order from the one generator."""
 
     def __init__(self, transforms: Sequence[Transform]) -> None:
+        if isinstance(transforms, Transform) or not isinstance(transforms, Sequence):
+            raise TypeError(f"Compose takes a list of transforms, got {transforms!r}: write Compose([...])")
         for transform in transforms:
             if not isinstance(transform, Transform):
                 raise TypeError(
