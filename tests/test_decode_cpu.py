@@ -384,6 +384,19 @@ def test_a_10_bit_rgb_ppm_reads_as_pillow_reads_the_same_samples_gray(plain: boo
         assert np.array_equal(pillow.decode_rgb(ppm)[..., channel], expected)
 
 
+def test_samples_above_a_wide_ppms_maxval_are_white_as_in_the_gray_pgm() -> None:
+    """Pillow's binary reader takes samples above maxval: scaled past 16 bits, their high byte wrapped
+    (1024 of 1023 came out 0, black), where the gray PGM of the same samples clips them to white."""
+    rgb = np.array([[[1023, 1024, 2047], [4095, 65535, 512]]], np.uint32)
+    ppm = b"P6 2 1 1023\n" + rgb.astype(">u2").tobytes()
+    for channel in range(3):
+        pgm = b"P5 2 1 1023\n" + rgb[..., channel].astype(">u2").tobytes()
+        with Image.open(io.BytesIO(pgm)) as gray:
+            expected = np.asarray(gray, dtype=np.uint32) >> 8
+        assert np.array_equal(pillow.decode_rgb(ppm)[..., channel], expected), channel
+    assert pillow.decode_rgb(ppm).tolist() == [[[255, 255, 255], [255, 255, 128]]]
+
+
 def test_an_8_bit_ppm_is_pillows() -> None:
     rgb = np.random.default_rng(4).integers(0, 256, (4, 6, 3), dtype=np.uint8)
     ppm = b"P6 6 4 255\n" + rgb.tobytes()

@@ -156,7 +156,8 @@ def _wide_rgb_ppm(image: Image.Image, tile: list[ImageFile._Tile], data: Encoded
     Pillow reads these to 8 bits by rounding (``v * 255 / maxval``), not by the rule every other wide
     image follows here (a 16-bit gray PGM, which Pillow scales to 16 bits: its high byte), so a 16-bit
     sample came out one higher in a quarter of the values. ``None`` for any other image. Called after
-    ``load()``, which has checked the samples (their count, none above ``maxval``).
+    ``load()``, which has checked their count; a binary file's samples above ``maxval`` (which Pillow's
+    reader takes) are white, as Pillow and a gray PGM make them.
     """
     if image.format != "PPM" or image.mode != "RGB" or len(tile) != 1:
         return None
@@ -171,7 +172,7 @@ def _wide_rgb_ppm(image: Image.Image, tile: list[ImageFile._Tile], data: Encoded
     else:  # plain (ASCII) samples; comments may sit between them
         text = re.sub(rb"#[^\r\n]*", b" ", bytes(raw))
         samples = np.array(text.split()[:count], dtype=np.uint32)
-    sixteen = (samples * 65535 + maxval // 2) // maxval
+    sixteen = np.minimum((samples * 65535 + maxval // 2) // maxval, 65535)
     return (sixteen >> 8).astype(np.uint8).reshape(height, width, 3)
 
 
