@@ -685,6 +685,7 @@ def test_micro_batcher_sheds_load_and_frees_a_cancelled_slot() -> None:
         ({"max_delay_ms": 1e13}, ValueError, "max_delay_ms must be a finite number"),
         ({"max_delay_ms": float("nan")}, ValueError, "max_delay_ms must be a finite number .*got nan"),
         ({"max_delay_ms": None}, ValueError, "max_delay_ms must be a finite number .*got None"),
+        ({"max_delay_ms": 10**400}, ValueError, "max_delay_ms must be a finite number"),  # was OverflowError
         # torch's own RuntimeError, naming no argument
         ({"device": "tpu"}, ValueError, r"device must be 'cpu', 'cuda', 'cuda:N' or None, got 'tpu'"),
         ({"device": "meta"}, ValueError, "device must be 'cpu' or a CUDA device, got meta"),
@@ -716,6 +717,22 @@ def test_a_bad_timeout_is_refused_at_once(timeout: object) -> None:
             asyncio.run(batcher.arun(3, timeout=timeout))  # type: ignore[arg-type]
         release.set()
         assert (first.result(5), second.result(5)) == (1, 2)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 10**400])
+def test_a_timeout_past_what_a_wait_takes_waits_as_long_as_it_can(timeout: float) -> None:
+    """10**400 raised a bare OverflowError converting to float; inf, a lock wait's OverflowError."""
+    with MicroBatcher(lambda inputs: inputs, max_delay_ms=0) as batcher:
+        assert batcher.submit(7, timeout=timeout).result(5) == 7
+        assert asyncio.run(batcher.arun(8, timeout=timeout)) == 8
+
+
+def test_a_tensor_of_encoded_bytes_is_told_to_go_as_bytes() -> None:
+    with (
+        BatchDecoder(device="cpu") as service,
+        pytest.raises(TypeError, match=r"tensor.numpy\(\).tobytes\(\)"),
+    ):
+        service.submit(torch.zeros(10, dtype=torch.uint8))  # type: ignore[arg-type]
 
 
 def test_close_from_the_done_callbacks_of_two_workers_returns(tmp_path: Path) -> None:
@@ -792,12 +809,83 @@ def test_a_failed_batch_keeps_nothing_of_its_function_alive() -> None:
         gc.enable()
 
 
-@pytest.mark.parametrize(("returned", "name"), [(None, "NoneType"), (map(str, []), "map")])
+@pytest.mark.parametrize(
+    ("returned", "name"),
+    [
+        (None, "NoneType"),
+        (map(str, []), "map"),
+        # a dict of one item answered its caller with the key; a string, with its first character
+        ({1: 10}, "dict"),
+        ("a", "str"),
+        (torch.tensor(5), "Tensor"),  # a 0-d tensor: torch's "len() of a 0-d tensor"
+    ],
+)
 def test_a_batch_function_returning_no_sequence_says_so(returned: object, name: str) -> None:
     with MicroBatcher(lambda inputs: returned, max_batch=1, max_delay_ms=0) as batcher:  # type: ignore[arg-type,return-value]
         error = batcher.submit(1).exception(10)
     assert isinstance(error, TypeError)
-    assert str(error).startswith(f"the batch function returned {name}; return a list (or a tensor)")
+    assert str(error).startswith(f"the batch function returned {name}; return a list (or a tensor or array")
+
+
+def test_a_cancelled_requests_callback_raising_system_exit_leaves_the_others_cancelled() -> None:
+    """close(cancel_pending=True) cancelled the queued requests in a loop that a callback's SystemExit
+    ended: the later ones were neither queued nor answered, their callers waiting forever."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(items: list[int]) -> list[int]:
+        started.set()
+        release.wait(10)
+        return items
+
+    def leave(future: concurrent.futures.Future[Any]) -> None:
+        sys.exit(1)
+
+    batcher = MicroBatcher(slow, max_batch=1, max_delay_ms=0, num_threads=1)
+    first = batcher.submit(0)
+    assert started.wait(5)
+    queued = [batcher.submit(i) for i in range(1, 4)]
+    queued[0].add_done_callback(leave)
+    closing = threading.Thread(target=batcher.close, kwargs={"cancel_pending": True})
+    closing.start()
+    for future in queued:
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(5)
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive() and first.result(5) == 0
+    assert batcher.stats().cancelled == 3
+
+
+def test_a_request_its_caller_finished_while_queued_is_withdrawn() -> None:
+    """A caller that gave up with future.set_exception() while its request was queued: the worker's
+    set_running_or_notify_cancel() raised RuntimeError, which ended the worker with its requests
+    unanswered and every later one waiting forever."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(items: list[int]) -> list[int]:
+        started.set()
+        release.wait(10)
+        return [10 * x for x in items]
+
+    with MicroBatcher(slow, max_batch=1, max_delay_ms=0, num_threads=1) as batcher:
+        first = batcher.submit(1)
+        assert started.wait(5)
+        given_up = batcher.submit(2)
+        given_up.set_exception(TimeoutError("gave up"))
+        later = batcher.submit(3)
+        release.set()
+        assert (first.result(5), later.result(5)) == (10, 30)
+        assert batcher.stats().cancelled == 1
+
+
+def test_a_micro_batcher_on_a_cuda_device_that_is_not_there_says_so() -> None:
+    """It raised torch's 'Torch not compiled with CUDA enabled' or 'torch.cuda.Stream requires CUDA'."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wanted = f"cuda:{count}"
+    with pytest.raises(
+        RuntimeError, match=rf"device='{wanted}' but (no CUDA GPU is usable|only {count} CUDA)"
+    ):
+        MicroBatcher(lambda items: items, device=wanted)
 
 
 def test_each_request_of_a_failed_batch_gets_its_own_error() -> None:

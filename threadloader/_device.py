@@ -17,7 +17,7 @@ from ._workers import available_cpus
 from .decode.nvimgcodec import check_cuda_versions
 from .errors import CPUFallbackWarning
 
-__all__ = ["available_cpus", "parse_device", "resolve_device"]
+__all__ = ["available_cpus", "parse_device", "resolve_device", "usable"]
 
 
 def _nvimgcodec_installed() -> bool:
@@ -82,17 +82,27 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
             if local_rank.isdigit() and int(local_rank) < torch.cuda.device_count()
             else "cuda"
         )
-    resolved = parse_device(device)
-    if resolved.type == "cpu":
-        return resolved
+    resolved = usable(parse_device(device))
+    if resolved.type == "cuda":
+        check_cuda_versions()
+    return resolved
+
+
+def usable(device: torch.device) -> torch.device:
+    """A parsed ``device``, indexed if a CUDA one, once it is known to exist here.
+
+    Raises:
+        RuntimeError: For a CUDA device on a machine where none is usable, or past the last one.
+    """
+    if device.type == "cpu":
+        return device
     if not torch.cuda.is_available():
         raise RuntimeError(
-            f"device={str(resolved)!r} but no CUDA GPU is usable here; pass device='cpu' (or None)"
+            f"device={str(device)!r} but no CUDA GPU is usable here; pass device='cpu' (or None)"
         )
-    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    index = torch.cuda.current_device() if device.index is None else device.index
     if index >= torch.cuda.device_count():
         raise RuntimeError(
-            f"device={str(resolved)!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
+            f"device={str(device)!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
         )
-    check_cuda_versions()
     return torch.device("cuda", index)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import math
 import numbers
 import sys
 import threading
@@ -29,13 +30,13 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from ._checks import check_count
-from ._device import parse_device
+from ._device import parse_device, usable
 from ._options import DEFAULTS, Options
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
 from ._serving.engine import Engine, Runner, serve
 from ._serving.metrics import Metrics
-from ._serving.queue import RequestQueue
+from ._serving.queue import RequestQueue, cancel
 from ._stats import STAGES, StatsRecorder
 from ._workers import ThreadGroup, close_deadline
 from .decode.base import Encoded, ImageDecoder
@@ -168,9 +169,15 @@ class _Batching(Generic[T, R]):
         return await asyncio.wrap_future(future)
 
     def _wait(self, timeout: float | None) -> float | None:
-        if timeout is not None and not (_is_number(timeout) and timeout >= 0):  # NaN: a caller spinning
+        number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+        if timeout is not None and not (number and timeout >= 0):  # NaN fails too: a caller spinning
             raise ValueError(f"timeout must be None or a number of seconds, 0 or more, got {timeout!r}")
-        return (None if timeout is None else float(timeout)) if self.when_full == "block" else 0.0
+        if self.when_full != "block":
+            return 0.0
+        if timeout is None:
+            return None
+        # inf or 10**400: as long as a lock's wait can be (a longer one raises OverflowError)
+        return threading.TIMEOUT_MAX if timeout > threading.TIMEOUT_MAX else float(timeout)
 
     def _checked(self, data: T) -> T:
         return data
@@ -367,7 +374,7 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
             futures.extend(self.submit(data) for data in images)
         except BaseException:
             for future in futures:
-                future.cancel()
+                cancel(future)
             raise
         return [future.result() for future in futures]
 
@@ -410,10 +417,12 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
     def _checked(self, data: Encoded) -> Encoded:
         """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(
-                f"BatchDecoder decodes encoded image bytes, got {type(data).__name__}; "
-                "pass the file's contents (open(path, 'rb').read()), not its path"
+            fix = (
+                "pass them as bytes (tensor.numpy().tobytes())"
+                if hasattr(data, "numpy") or hasattr(data, "tobytes")
+                else "pass the file's contents (open(path, 'rb').read()), not its path"
             )
+            raise TypeError(f"BatchDecoder decodes encoded image bytes, got {type(data).__name__}; {fix}")
         return data
 
     def __repr__(self) -> str:
@@ -477,9 +486,7 @@ class MicroBatcher(_Batching[T, R]):
         check_count("num_threads", num_threads, optional=False)
         if not callable(fn):
             raise TypeError(f"fn must be callable (inputs -> one result each), got {type(fn).__name__}")
-        where = parse_device(device if device is not None else "cpu")
-        if where.type == "cuda" and where.index is None:
-            where = torch.device("cuda", torch.cuda.current_device())
+        where = usable(parse_device(device if device is not None else "cpu"))
         streams = tuple(torch.cuda.Stream(where) for _ in range(num_threads)) if where.type == "cuda" else ()
         metrics = Metrics()
         self._start(
@@ -536,5 +543,13 @@ def _check_batching(*, max_batch: int, max_delay_ms: float, max_queue: int, when
 
 
 def _is_number(value: object) -> bool:
-    """A real number (numpy's too), not a bool (``True`` is no number of milliseconds)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A finite real number (numpy's too), not a bool (``True`` is no number of milliseconds).
+
+    An int too large for a float (``10**400``) is none: torch and the lock waits take floats.
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

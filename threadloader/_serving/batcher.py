@@ -9,7 +9,7 @@ stream by event, as the decoder's results are, so neither side syncs the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +61,12 @@ class CallEngine:
     def _answer_all(
         self, requests: list[Request], results: Sequence[Any], event: torch.cuda.Event | None
     ) -> None:
-        if not hasattr(results, "__len__") or not hasattr(results, "__getitem__"):
+        countable = hasattr(results, "__len__") and hasattr(results, "__getitem__")
+        if not countable or isinstance(results, (Mapping, str, bytes)) or getattr(results, "ndim", 1) == 0:
             raise TypeError(
-                f"the batch function returned {type(results).__name__}; return a list (or a tensor) with "
-                "one result per input, in order: a generator or map cannot be counted against the inputs"
+                f"the batch function returned {type(results).__name__}; return a list (or a tensor or array "
+                "with a first dimension) with one result per input, in order: a generator, map, dict, string "
+                "or 0-d tensor cannot be matched to the inputs"
             )
         if len(results) != len(requests):
             raise ValueError(

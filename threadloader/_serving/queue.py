@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ from .._gil import MERGE_INTERVAL
 from .._workers import POLL
 from ..errors import LoaderClosedError, QueueFullError
 
-__all__ = ["Request", "RequestQueue"]
+__all__ = ["Request", "RequestQueue", "cancel"]
+
+logger = logging.getLogger("threadloader")
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: the queue removes a cancelled one by itself
@@ -128,7 +131,7 @@ class RequestQueue:
                 if self._items:
                     request = self._items.popleft()
                     self._freed()
-                    if request.future.set_running_or_notify_cancel():
+                    if _start(request.future):
                         batch.append(request)
                     else:
                         self.cancelled += 1
@@ -153,7 +156,7 @@ class RequestQueue:
         for loop, waiter in waiters:
             _wake(loop, waiter)
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
-            request.future.cancel()
+            cancel(request.future)
 
     def counts(self) -> dict[str, Any]:
         """Requests queued now, and the queue's counters, read together."""
@@ -250,3 +253,29 @@ def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> bool
     except RuntimeError:
         return False
     return True
+
+
+def cancel(future: Future[Any]) -> None:
+    """Cancels ``future``; a done-callback's ``SystemExit`` or other non-``Exception`` is logged.
+
+    ``concurrent.futures`` catches only an ``Exception`` from a callback: raised on, it stopped a loop
+    of cancels, leaving the later requests neither queued nor answered, their callers waiting forever.
+    """
+    try:
+        future.cancel()
+    except Exception:
+        raise
+    except BaseException:
+        logger.exception("a done-callback of a cancelled request raised; the other requests go on")
+
+
+def _start(future: Future[Any]) -> bool:
+    """Marks a queued request's future running: ``False`` if it was cancelled or finished while queued.
+
+    A future its caller finished itself (``set_exception`` on giving up) raised ``RuntimeError`` here,
+    which ended the worker thread with its micro-batch unanswered and the service stopped.
+    """
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # finished by its holder: withdrawn, as a cancelled one is
+        return False
