@@ -206,3 +206,35 @@ def test_a_memoryview_of_wider_items_is_read_by_its_bytes() -> None:
     ):
         assert has_end_marker(view) is True
         assert exif_orientation(view) == 6 and not xmp_orientation_only(view)
+
+
+def test_an_xmp_orientation_beside_exif_this_cannot_read_is_pillows() -> None:
+    """Only EXIF read as having no orientation counted: a stray byte before a marker (Pillow skips it)
+    or a damaged EXIF directory (Pillow keeps what it reads, then applies XMP) sent a turned photo to
+    nvImageCodec, which ignores XMP."""
+    base = encode(photo(20, 30, 4), quality=90)
+    only_xmp = _with_segment(base, 0xE1, _xmp(b' tiff:Orientation="6"'))
+    table = only_xmp.index(b"\xff\xc4")
+    stray = only_xmp[:table] + b"\x00" + only_xmp[table:]
+    entry = (0x010F).to_bytes(2, "little") + (2).to_bytes(2, "little") + (1).to_bytes(4, "little") + bytes(4)
+    short = b"II*\x00" + (8).to_bytes(4, "little") + (5).to_bytes(2, "little") + entry + bytes(4)  # says 5
+    damaged = _with_segment(only_xmp, 0xE1, b"Exif\x00\x00" + short)
+    for data in (stray, damaged):
+        assert pil_reference(data).shape[:2] == (30, 20)  # the reference: Pillow turns it
+        assert xmp_orientation_only(data) and exif_orientation(data) is None
+    assert not xmp_orientation_only(_with_segment(base, 0xE1, b"Exif\x00\x00" + short))  # no XMP: not
+
+
+def test_views_of_other_items_find_the_xmp_orientation_and_the_end_marker() -> None:
+    """xmp_orientation_only sliced a uint32 or 2-D view by byte positions (it read the wrong bytes),
+    and a view of signed bytes compared unequal to every marker (a JPEG with no end marker)."""
+    data = _with_segment(encode(photo(20, 30, 4), quality=90), 0xE1, _xmp(b' tiff:Orientation="6"'))
+    padded = data + bytes(-len(data) % 4)
+    for view in (
+        memoryview(np.frombuffer(padded, dtype=np.uint32)),
+        memoryview(np.frombuffer(padded, dtype=np.uint8).reshape(-1, 4)),
+        memoryview(np.frombuffer(data, dtype=np.int8)),
+        memoryview(data).cast("c"),
+    ):
+        assert xmp_orientation_only(view), view.format
+        assert has_end_marker(view) is True and exif_orientation(view) is None

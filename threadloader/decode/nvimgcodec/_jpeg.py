@@ -27,9 +27,10 @@ _XMP = b"http://ns.adobe.com/xap/1.0/\x00"
 def _octets(data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
     """``data`` indexed by byte, which every position here counts in.
 
-    A memoryview of wider items (a uint32 array's) or of several dimensions becomes one of its bytes.
+    A memoryview of other items (a uint32 array's, or signed bytes, which never equal 0xFF) or of several
+    dimensions becomes one of its unsigned bytes.
     """
-    if not isinstance(data, memoryview) or (data.format in ("B", "b", "c") and data.ndim == 1):
+    if not isinstance(data, memoryview) or (data.format == "B" and data.ndim == 1):
         return data
     return data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
 
@@ -102,8 +103,10 @@ def xmp_orientation_only(data: bytes | bytearray | memoryview) -> bool:
     """Whether a JPEG's orientation is given in XMP (``tiff:Orientation``) and not in EXIF.
 
     Pillow applies it (it reads XMP where EXIF has no orientation); nvImageCodec reads EXIF only, so
-    such a JPEG would come out turned on one path and not on the other.
+    such a JPEG would come out turned on one path and not on the other. EXIF this cannot read (damaged,
+    or a header walk that stops early) beside an XMP orientation counts too: Pillow may apply it.
     """
+    data = _octets(data)
     return (
         any(
             marker == _APP1 and bytes(data[position + 4 : position + 4 + len(_XMP)]) == _XMP
@@ -114,7 +117,10 @@ def xmp_orientation_only(data: bytes | bytearray | memoryview) -> bool:
 
 
 def _orientation(data: bytes | bytearray | memoryview) -> tuple[int | None, bool]:
-    """EXIF's orientation (1 where it has none; ``None`` unsure), and whether only XMP gives one."""
+    """EXIF's orientation (1 where it has none; ``None`` unsure), and whether XMP gives one EXIF does not.
+
+    EXIF does not when it has none, or has one this cannot read.
+    """
     view = memoryview(_octets(data))
     exif: bytes | None = None
     xmp = False
@@ -123,14 +129,14 @@ def _orientation(data: bytes | bytearray | memoryview) -> tuple[int | None, bool
             if exif is None:
                 return 1, xmp
             orientation = _tiff_orientation(exif)
-            return (1 if orientation == _ABSENT else orientation), xmp and orientation == _ABSENT
+            return (1 if orientation == _ABSENT else orientation), xmp and orientation in (None, _ABSENT)
         if marker != _APP1:
             continue
         if exif is None and bytes(view[position + 4 : position + 10]) == b"Exif\x00\x00":
             exif = bytes(view[position + 10 : position + 2 + length])
         elif not xmp and bytes(view[position + 4 : position + 4 + len(_XMP)]) == _XMP:
             xmp = bytes(view[position + 4 : position + 2 + length]).find(b"tiff:Orientation") >= 0
-    return None, False
+    return None, xmp  # a walk that stopped before the scan: unsure, Pillow's if XMP turns it
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:
