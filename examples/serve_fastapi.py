@@ -116,6 +116,11 @@ class Service:
         self._mean = torch.tensor(MEAN, device=self.device).view(3, 1, 1)  # per-request mode's normalization
         self._std = torch.tensor(STD, device=self.device).view(3, 1, 1)
         self._output = OutputFormat(size=SIZE, dtype=torch.float32, mean=MEAN, std=STD)  # pillow mode
+        if settings.mode == "per-request":  # checked here, not at the first request (every one a 500)
+            try:
+                import torchvision.io  # noqa: F401
+            except ImportError:
+                sys.exit("--mode per-request needs torchvision (pip install torchvision); or --mode batched")
         if settings.mode != "batched":
             self.pool = concurrent.futures.ThreadPoolExecutor(settings.threads, settings.mode)
         else:

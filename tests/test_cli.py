@@ -77,7 +77,16 @@ def test_bad_options_are_one_line(args: list[str], fragments: list[str]) -> None
 
 def test_missing_folder(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
-    assert_one_line_error(cli(str(missing)), 2, "no such folder", str(missing))
+    assert_one_line_error(cli(str(missing)), 2, "no such file or folder", str(missing))
+
+
+def test_a_missing_file_among_images_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """It was 'got 2 paths that are not all images or all shards', which hid which one was missing."""
+    (tmp_path / "a.jpg").write_bytes(encode(photo(20, 24, seed=1)))
+    missing = str(tmp_path / "nosuch.jpg")
+    code, out, err = in_process(capsys, str(tmp_path / "a.jpg"), missing)
+    assert (code, out) == (2, "")
+    assert err == f"{PROG}: error: no such file or folder: {missing!r}\n"
 
 
 def test_a_file_that_is_no_image_nor_shard(tmp_path: Path) -> None:
@@ -134,7 +143,16 @@ def test_running_out_of_memory_is_one_line(
 
 
 def test_empty_folder(tmp_path: Path) -> None:
-    assert_one_line_error(cli(str(tmp_path)), 2, str(tmp_path))
+    """It was the library's 'no class sub-folders ... pass a list of file paths', which the command takes."""
+    assert_one_line_error(cli(str(tmp_path)), 2, str(tmp_path), "no images", "class folders or .tar shards")
+
+
+def test_a_folder_of_shards_loads_its_shards(capsys: pytest.CaptureFixture[str], shard_dir: Path) -> None:
+    code, out, err = in_process(
+        capsys, str(shard_dir), "--count", "5", "--batch-size", "2", "--size", "32", "--epochs", "1"
+    )
+    assert code == 0, err
+    assert "1 epoch(s) of 5 images at 32x32" in out
 
 
 def test_a_folder_without_images(tmp_path: Path) -> None:

@@ -56,3 +56,61 @@ def test_lightning_example_trains_a_few_steps_on_the_cpu() -> None:
     assert summary["val_samples"] == 64  # validation ran over the whole val loader
     # It learns: 4 classes, so chance is 0.25 (seeded: the same numbers every run on the CPU).
     assert summary["val_accuracy"] > 0.5 and summary["last_loss"] < summary["first_loss"]
+
+
+def test_each_lightning_epoch_reads_its_own_epochs_order(tmp_path: Path) -> None:
+    """Lightning calls iter() on the train loader once to check it and drops it: that pass counted as
+    epoch 0, so Lightning's epoch 0 read epoch 1's order and crops (and epoch 1 again after it). The
+    reference: a second loader with set_epoch(e) before each pass, as a plain loop writes it."""
+    pytest.importorskip("lightning", reason="the Lightning example needs pip install -e '.[examples]'")
+    script = tmp_path / "epochs.py"
+    script.write_text(
+        """
+import io, json, sys, warnings
+import lightning as L, numpy as np, torch
+from PIL import Image
+sys.path.insert(0, sys.argv[1])
+from lightning_train import SetEpoch
+from threadloader import ThreadLoader
+
+warnings.simplefilter("ignore")
+def jpeg(i):
+    out = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(out, "JPEG")
+    return out.getvalue()
+samples = [(jpeg(i), i) for i in range(12)]
+make = lambda: ThreadLoader(samples, batch_size=4, shuffle=True, seed=0, device="cpu")
+seen = {}
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+    def training_step(self, batch, index):
+        seen.setdefault(self.current_epoch, []).extend(batch[1].tolist())
+        return (self.w - 1).pow(2).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+class Data(L.LightningDataModule):
+    def train_dataloader(self):
+        loader = make()
+        loader.set_epoch(self.trainer.current_epoch)
+        return loader
+trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                    callbacks=[SetEpoch()])
+trainer.fit(Module(), datamodule=Data())
+reference = make()
+expected = []
+for epoch in range(3):
+    reference.set_epoch(epoch)
+    expected.append([t for _, targets in reference for t in targets.tolist()])
+print(json.dumps({"seen": [seen[e] for e in range(3)], "expected": expected}))
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), str(EXAMPLES)], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    orders = json.loads(result.stdout.strip().splitlines()[-1])
+    assert orders["seen"] == orders["expected"]
+    assert orders["expected"][0] != orders["expected"][1]  # the epochs' orders differ

@@ -109,6 +109,13 @@ def test_good_bodies_get_the_top5_of_plain_torch_on_pillows_pixels(
     assert stats["model"]["batches"] == len(net.batches) and stats["decoder"]["completed"] == len(blobs)
 
 
+def test_the_per_request_mode_without_torchvision_stops_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It started and answered every request 500 (torchvision.io, imported per request, missing)."""
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)  # import raises ImportError, as uninstalled
+    with pytest.raises(SystemExit, match="--mode per-request needs torchvision"):
+        serve_fastapi.create_app(serve_fastapi.Settings(mode="per-request", device="cpu", model="none"))
+
+
 @pytest.mark.parametrize("mode", ["batched", "pillow"])
 def test_decode_only_answers_shape_and_mean_of_pillows_pixels(mode: str, blobs: list[bytes]) -> None:
     app = serve_fastapi.create_app(serve_fastapi.Settings(mode=mode, device="cpu", model="none"))

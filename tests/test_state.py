@@ -617,3 +617,23 @@ def test_repeats_crop_alike_for_any_threads_grouping_and_resume(
         resumed.load_state_dict(state)
         tail = take(resumed)
     assert_same(head + tail, expected)
+
+
+def test_a_pass_that_handed_out_no_batch_is_no_epoch(samples: list[tuple[bytes, int]]) -> None:
+    """An iter() dropped before its first batch (a framework checking the loader) counted as an epoch:
+    the next pass ran the epoch after, where state_dict() said the dropped one would run."""
+    expected = uninterrupted(samples, 3)
+    with make(samples) as loader:
+        dropped = iter(loader)
+        assert loader.state_dict()["epoch"] == 0
+        del dropped
+        assert_same(take(loader), expected[0])  # epoch 0, not 1
+        partly = iter(loader)
+        take(partly, 1)  # a pass that handed out a batch is an epoch: the next one is the one after
+        del partly
+        assert_same(take(loader), expected[2])
+    with make(samples) as loader:  # a loaded position survives a dropped pass too
+        loader.load_state_dict(round_trip({**loader.state_dict(), "epoch": 1, "batches": 3}))
+        dropped = iter(loader)
+        del dropped
+        assert_same(take(loader), expected[1][3:])

@@ -121,9 +121,12 @@ def _source(sources: list[str], count: int | None) -> Source:
     """What the command loads: the first ``count`` samples of a folder, image files or shards.
 
     Raises:
-        UsageError: For a missing path, a file that is neither an image nor a shard, or several
-            sources that are not all images or all shards.
+        UsageError: For a missing path, a file that is neither an image nor a shard, several sources
+            that are not all images or all shards, or a folder with none of them.
     """
+    missing = [path for path in sources if not is_shard_spec(path) and not os.path.exists(path)]
+    if missing:
+        raise UsageError(f"no such file or folder: {missing[0]!r}")
     if all(is_shard_spec(source) for source in sources):
         source: Source = TarShards(sources)
     elif all(os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS) for path in sources):
@@ -135,8 +138,6 @@ def _source(sources: list[str], count: int | None) -> Source:
             + ", ".join(repr(source) for source in sources[:3])
             + (", ..." if len(sources) > 3 else "")
         )
-    elif not os.path.exists(sources[0]):
-        raise UsageError(f"no such folder: {sources[0]!r}")
     elif not os.path.isdir(sources[0]):
         raise UsageError(
             f"{sources[0]!r} is not an image ({', '.join(IMAGE_EXTENSIONS)}); give a folder, image files, "
@@ -150,13 +151,22 @@ def _source(sources: list[str], count: int | None) -> Source:
 
 
 def _folder(path: str) -> Source:
-    """An :class:`ImageFolder` of class sub-folders; a folder of images alone, its images (sorted)."""
+    """An :class:`ImageFolder` of class sub-folders, else the folder's images, else its tar shards.
+
+    Images and shards are sorted by name.
+    """
     with os.scandir(path) as entries:
         listed = list(entries)
     if not any(entry.is_dir() for entry in listed):
         images = [e.path for e in listed if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)]
         if images:
             return sorted(images)
+        shards = [e.path for e in listed if e.is_file() and is_shard_spec(e.name)]
+        if shards:
+            return TarShards(sorted(shards))
+        raise UsageError(
+            f"no images ({', '.join(IMAGE_EXTENSIONS)}), class folders or .tar shards in {path!r}"
+        )
     return ImageFolder(path)
 
 

@@ -284,12 +284,17 @@ class ThreadLoader:
         """Starts an epoch: the one given by :meth:`set_epoch` or a loaded state, else the last one + 1.
 
         A ``sampler.set_epoch(e)`` of the user's (as DataLoader's users write) gives the epoch too,
-        unless :meth:`set_epoch` was called since the last pass.
+        unless :meth:`set_epoch` was called since the last pass. A pass that handed out no batch (a
+        framework's ``iter()`` to check the loader, then dropped: Lightning's) was no epoch: unless an
+        epoch was given since, the next pass starts where it would have, as ``state_dict()`` says.
         """
         with self._lock:
             if self._closed:
                 raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
             epoch, start, given = self._next_epoch, self._resume, self._epoch_given
+            latest = self._progress
+            if not given and latest is not None and latest.handed_none():
+                epoch, start = latest.epoch, latest.start
             on_sampler = self._plan.epoch_set_on_the_sampler(overridden=given)
             if on_sampler is not None:
                 epoch = on_sampler  # the user's sampler.set_epoch(e), as DataLoader leaves it
@@ -610,6 +615,10 @@ class _Progress:
             total += 1
             yield batch
         self.total = total
+
+    def handed_none(self) -> bool:
+        """Whether the pass has handed out no batch and not ended (an ``iter()`` that nobody ran)."""
+        return not self.finished and self.consumed == self.start
 
     def finish(self) -> None:
         """Called when the iterator stops: the epoch ended if every planned batch was consumed."""
