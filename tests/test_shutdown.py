@@ -811,3 +811,79 @@ def test_an_exit_during_a_threaded_pillow_call_waits_for_a_few_images_not_the_ba
     ended = time.time()
     assert child.returncode == 0, child.stderr
     assert ended - float(child.stdout.split()[-1]) < 1.0
+
+
+def test_a_sampler_that_blocks_holds_up_no_next_or_close(blobs: list[bytes]) -> None:
+    """A reader took the next task from the user's sampler holding the pool's lock: while the sampler
+    blocked (a streaming sampler waiting for indices, a collective call), the consumer could not take a
+    batch already made, and close() (and Ctrl-C in it, and the exit hook) waited for the sampler."""
+    release = threading.Event()
+
+    class Waiting:
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(4)
+            release.wait(20)  # the fifth index comes late
+            yield from range(4, len(blobs))
+
+        def __len__(self) -> int:
+            return len(blobs)
+
+    loader = ThreadLoader(blobs, batch_size=2, sampler=Waiting(), num_threads=2, device="cpu")
+    iterator = iter(loader)
+    try:
+        started = time.perf_counter()
+        assert len(next(iterator)[0]) == 2 and len(next(iterator)[0]) == 2
+        assert time.perf_counter() - started < 5  # the sampler is blocked now, in a reader
+        started = time.perf_counter()
+        loader.close()
+        assert time.perf_counter() - started < 3  # a second's wait for the readers, not the sampler's 20
+        with pytest.raises(LoaderClosedError):
+            next(iterator)
+    finally:
+        release.set()
+    assert wait_for_no_reader_threads(5) == []
+
+
+def test_a_ctrl_c_in_close_still_closes_every_iteration(
+    blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt out of the first iterator's close left the loop over them: a second live
+    iteration kept its readers and went on yielding batches, and the runtime stayed open."""
+    loader = ThreadLoader(blobs, batch_size=2, num_threads=2, device="cpu")
+    first, second = iter(loader), iter(loader)
+    next(first), next(second)
+    close = type(first).close
+    interrupted: list[object] = []
+
+    def close_then_interrupt(self: Any, **options: Any) -> None:
+        close(self, **options)
+        if not interrupted:
+            interrupted.append(self)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(first), "close", close_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    assert len(interrupted) == 1
+    for iterator in (first, second):
+        with pytest.raises(LoaderClosedError):
+            next(iterator)
+    assert wait_for_no_reader_threads(3) == []
+
+
+def test_an_interrupt_while_a_pass_starts_leaves_no_readers(
+    blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after the pass's pool started and before its iterator owned it left the readers
+    running, owned by nobody: the loader's close() did not see them."""
+    from threadloader import loader as module
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    loader = ThreadLoader(blobs, batch_size=2, num_threads=2, device="cpu")
+    monkeypatch.setattr(module._EpochIterator, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    assert wait_for_no_reader_threads(3) == []
+    loader.close()

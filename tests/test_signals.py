@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from threadloader._cancel import check_cancelled
-from threadloader._workers import OrderedPool, _uninterrupted
+from threadloader._workers import OrderedPool, uninterrupted
 
 from .conftest import script_process
 
@@ -94,7 +94,7 @@ def test_uninterrupted_finishes_every_step_then_raises_the_interrupt_once() -> N
             raise KeyboardInterrupt("second")
 
     with pytest.raises(KeyboardInterrupt) as raised:
-        _uninterrupted(lambda: calls.append("a"), interrupted_once, lambda: calls.append("c"))
+        uninterrupted(lambda: calls.append("a"), interrupted_once, lambda: calls.append("c"))
     assert calls == ["a", "b", "b", "b", "c"]
     assert raised.value is first
 
@@ -116,9 +116,9 @@ def test_uninterrupted_in_a_handler(handling: type[BaseException], raises: bool)
     except handling:
         if raises:
             with pytest.raises(KeyboardInterrupt):
-                _uninterrupted(interrupted)
+                uninterrupted(interrupted)
         else:
-            _uninterrupted(interrupted)
+            uninterrupted(interrupted)
     assert calls == 2
 
 

@@ -23,6 +23,7 @@ from ._handoff import ReaderStream
 from ._options import DEFAULTS, Options, decode_batch_size_on, warm_up_wanted
 from ._pipeline import Batch, BatchProducer, Outcome
 from ._warmup import Warmup
+from ._workers import uninterrupted
 from .decode.base import ImageDecoder
 from .decode.nvimgcodec import NvImageCodecDecoder
 from .decode.pillow import PillowDecoder
@@ -160,10 +161,8 @@ class Runtime:
 
         ``until``: the deadline of the wait for the warm-up's threads (see :meth:`Warmup.close`).
         """
-        if self._warmup is not None:
-            self._warmup.close(until=until)
-        if self._built:
-            self.decoder.close()
+        steps = [functools.partial(self._warmup.close, until=until)] if self._warmup is not None else []
+        uninterrupted(*steps, *([self.decoder.close] if self._built else []))  # a Ctrl-C skips neither
 
 
 def build_decoder(options: Options, device: torch.device, *, threads: int, batch: int) -> ImageDecoder:

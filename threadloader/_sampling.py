@@ -254,7 +254,7 @@ def _describe(obj: object) -> str | None:
 def _with_repeats(batches: Iterable[list[int]], num_samples: int) -> Iterator[PlannedBatch]:
     """``batches`` as :class:`PlannedBatch`, counting each sample's times from the epoch's first batch.
 
-    Counted where the plan is consumed (under the reader pool's lock), in the plan's order, so a resumed
+    Counted where the plan is consumed (by one reader at a time), in the plan's order, so a resumed
     epoch counts the batches it skips too. An array of counts (4 bytes a sample) rather than a dict,
     which would hold every index of a long epoch as an object; indices outside it (which fail when
     read) are counted apart.

@@ -46,6 +46,7 @@ __all__ = [
     "WeakRegistry",
     "available_cpus",
     "close_deadline",
+    "uninterrupted",
 ]
 
 T = TypeVar("T")
@@ -165,7 +166,7 @@ class ThreadGroup:
         """Waits up to ``timeout`` seconds (``None``: no limit) for the threads other than the caller.
 
         A bounded wait runs to its end through a KeyboardInterrupt, then raises it (see
-        :func:`_uninterrupted`): a second Ctrl-C while the first closes the owner would otherwise leave
+        :func:`uninterrupted`): a second Ctrl-C while the first closes the owner would otherwise leave
         its threads running, under a chained traceback. An unbounded wait ends on Ctrl-C.
 
         Returns:
@@ -178,7 +179,7 @@ class ThreadGroup:
 
     def join_by(self, deadline: float) -> bool:
         """:meth:`join` until a ``time.monotonic()`` deadline, which an owner's several groups share."""
-        _uninterrupted(functools.partial(self.join_until, deadline))
+        uninterrupted(functools.partial(self.join_until, deadline))
         return not self.alive()
 
     def join_until(self, deadline: float | None) -> None:
@@ -283,7 +284,8 @@ class OrderedPool(Generic[T]):
     """Runs ``work(task, thread_index)`` for each task on ``num_threads`` threads, in-order results.
 
     Args:
-        tasks: The tasks, taken lazily (under the pool's lock) as threads become free.
+        tasks: The tasks, taken lazily as threads become free, by one thread at a time (outside the pool's
+            lock: an iterator that blocks holds up no ``next()`` or ``close()``).
         work: Called in a pool thread; its return value or exception is the task's result. Long work
             calls :func:`~threadloader._cancel.check_cancelled` between its steps, so ``close()`` ends it.
         num_threads: Threads to start; ``thread_index`` is ``0..num_threads-1``, stable per thread.
@@ -314,6 +316,7 @@ class OrderedPool(Generic[T]):
         self._on_ahead = on_ahead
         self._window = max(window, 1)
         self._cv = threading.Condition()
+        self._taking = threading.Lock()  # one thread at a time in the tasks iterator, outside _cv
         self._taken = 0  # tasks taken from the iterator so far
         self._handed = 0  # results handed to the consumer so far
         self._end: int | None = None  # number of tasks, once the iterator is exhausted
@@ -369,7 +372,7 @@ class OrderedPool(Generic[T]):
         """Stops taking tasks, drops pending results, cancels the work in progress and joins the threads.
 
         Threads end at their next cancellation check; this waits up to :data:`JOIN_TIMEOUT` for that. A
-        KeyboardInterrupt meanwhile is raised once all that is done (:func:`_uninterrupted`).
+        KeyboardInterrupt meanwhile is raised once all that is done (:func:`uninterrupted`).
 
         Args:
             error: Makes what ``next()`` raises from now on (the first close decides); the default
@@ -383,7 +386,7 @@ class OrderedPool(Generic[T]):
         """
         if self.closed:
             return
-        _uninterrupted(
+        uninterrupted(
             functools.partial(self._shut, error),
             self._group.cancel,
             functools.partial(self._group.join_until, close_deadline(until)),
@@ -401,6 +404,10 @@ class OrderedPool(Generic[T]):
             self._results.clear()
             self._cv.notify_all()
 
+    def _over(self) -> bool:
+        """Whether no task is to be taken any more: the pool closed, or the tasks ran out."""
+        return self.closed or self._end is not None
+
     def _full(self) -> bool:
         """Whether ``window`` tasks are taken and not yet handed out (call with the lock held)."""
         return self._taken >= self._handed + self._window
@@ -410,37 +417,57 @@ class OrderedPool(Generic[T]):
 
         Thread ``index`` past the eager ones first waits for the first task's result (see the class). A
         wait for room is told to ``on_ahead`` after the lock is released, also when the tasks ran out
-        meanwhile, and not when the pool was closed.
+        meanwhile, and not when the pool was closed. The task is taken from the iterator (the user's
+        sampler) by one thread at a time and outside the pool's lock: a sampler that blocks held up
+        ``close()``, the consumer's ``next()`` of a batch already made, and the exit hook.
         """
         ahead = 0.0
         try:
-            with self._cv:
-                while index >= self._eager and not (self._first_in or self.closed or self._end is not None):
-                    self._cv.wait(MERGE_INTERVAL)
-                if self._full():
-                    started = time.perf_counter()
-                    while not self.closed and self._end is None and self._full():
+            while True:
+                with self._cv:
+                    while index >= self._eager and not (
+                        self._first_in or self.closed or self._end is not None
+                    ):
                         self._cv.wait(MERGE_INTERVAL)
-                    ahead = time.perf_counter() - started
-                if self.closed or self._end is not None:
-                    return None
-                seq = self._taken
-                try:
-                    task = next(self._tasks)
-                except StopIteration:
-                    self._end = seq
-                    self._cv.notify_all()
-                    return None
-                except BaseException as exc:
-                    self._results[seq] = (False, exc)
-                    self._taken = self._end = seq + 1
-                    self._cv.notify_all()
-                    return None
-                self._taken += 1
-                return seq, task
+                    if self._full():
+                        started = time.perf_counter()
+                        while not self.closed and self._end is None and self._full():
+                            self._cv.wait(MERGE_INTERVAL)
+                        ahead += time.perf_counter() - started
+                    if self._over():
+                        return None
+                with self._taking:
+                    with self._cv:  # another thread may have taken the room or the last task meanwhile
+                        if self._over():
+                            return None
+                        if self._full():
+                            continue
+                        seq = self._taken
+                    return self._next_task(seq)
         finally:
             if ahead and not self.closed and self._on_ahead is not None:
                 self._on_ahead(ahead)
+
+    def _next_task(self, seq: int) -> tuple[int, Any] | None:
+        """Task ``seq`` from the iterator (holding ``_taking``, not the pool's lock), recorded under it."""
+        try:
+            task = next(self._tasks)
+        except StopIteration:
+            with self._cv:
+                self._end = seq
+                self._cv.notify_all()
+            return None
+        except BaseException as exc:
+            with self._cv:
+                self._results[seq] = (False, exc)
+                self._taken = self._end = seq + 1
+                self._cv.notify_all()
+            return None
+        with self._cv:
+            if self.closed:  # closed while the iterator ran: the task is nobody's
+                return None
+            self._taken += 1
+            return seq, task
 
     def _run(self, index: int) -> None:
         while (taken := self._take(index)) is not None:
@@ -485,7 +512,7 @@ def available_cpus() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def _uninterrupted(*steps: Callable[[], object]) -> None:
+def uninterrupted(*steps: Callable[[], object]) -> None:
     """Runs ``steps`` in order, each to its end through KeyboardInterrupt, then raises the first one caught.
 
     Closing is where a second Ctrl-C lands: ``timeout -s INT`` signals every process of a group, and a

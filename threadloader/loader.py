@@ -30,7 +30,7 @@ from ._runtime import Runtime
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import OrderedPool, WeakRegistry, close_deadline
+from ._workers import OrderedPool, WeakRegistry, close_deadline, uninterrupted
 from .decode.base import ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
@@ -317,8 +317,12 @@ class ThreadLoader:
                 name=f"threadloader-e{epoch}",
                 on_ahead=functools.partial(self._stats.add_time, "ahead"),
             )
-            iterator = _EpochIterator(self, pool, epoch, progress, drop=drop)
-            self._iterators.add(iterator)
+            try:
+                iterator = _EpochIterator(self, pool, epoch, progress, drop=drop)
+                self._iterators.add(iterator)
+            except BaseException:  # a Ctrl-C here left the pool's threads running, owned by nobody
+                pool.close()
+                raise
         return iterator
 
     def set_epoch(self, epoch: int) -> None:
@@ -437,9 +441,12 @@ class ThreadLoader:
             self._closed = True
             iterators = self._iterators.live()
         until = close_deadline()  # one wait for all: each iterator's took a second in turn
-        for iterator in iterators:
-            iterator.close(error=_closed_error, until=until)
-        self._runtime.close(until=until)
+        # Each step to its end through a Ctrl-C (which then comes after the last): raised from the
+        # first iterator's close, it left the others' threads running and the runtime open.
+        uninterrupted(
+            *(functools.partial(iterator.close, error=_closed_error, until=until) for iterator in iterators),
+            functools.partial(self._runtime.close, until=until),
+        )
 
     def __enter__(self) -> ThreadLoader:
         return self
@@ -598,7 +605,7 @@ class _Progress:
     """How far the consumer is in one epoch, in the plan's batches (a batch left empty counts too).
 
     Written by the consumer's thread, except ``total``, which the reader thread that exhausts the plan
-    writes under the pool's lock before the pool reports the end: the consumer reads it only after.
+    writes before it records the end under the pool's lock: the consumer reads it only after.
     """
 
     def __init__(self, epoch: int, start: int) -> None:
