@@ -425,13 +425,11 @@ class OrderedPool(Generic[T]):
         try:
             while True:
                 with self._cv:
-                    while index >= self._eager and not (
-                        self._first_in or self.closed or self._end is not None
-                    ):
+                    while index >= self._eager and not (self._first_in or self._over()):
                         self._cv.wait(MERGE_INTERVAL)
                     if self._full():
                         started = time.perf_counter()
-                        while not self.closed and self._end is None and self._full():
+                        while not self._over() and self._full():
                             self._cv.wait(MERGE_INTERVAL)
                         ahead += time.perf_counter() - started
                     if self._over():
