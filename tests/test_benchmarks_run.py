@@ -40,10 +40,13 @@ def test_each_repeat_of_a_row_runs_in_a_fresh_child_process(
     assert None not in pids and len(set(pids)) == 2 and os.getpid() not in pids, pids
     first, second = (r.images_per_s or 0.0 for r in result.repeats)
     assert result.median("images_per_s") == pytest.approx((first + second) / 2)
-    # Each repeat's loader stages over its timed batches: the readers read and decoded every one.
+    # Each repeat's loader stages over its timed batches. The readers may have made every one of them
+    # before the window (they run ahead by their prefetch window), and then waited in it for room.
     for repeat in result.repeats:
-        assert repeat.stage_ms_per_batch["read"] > 0 and repeat.stage_ms_per_batch["decode"] > 0, repeat
-        assert repeat.stage_ms_per_batch["wait"] <= (repeat.ms_per_batch or 0) + 1.0, repeat
+        stages = repeat.stage_ms_per_batch
+        assert {"read", "decode", "ahead", "wait"} <= stages.keys() and min(stages.values()) >= 0, stages
+        assert stages["read"] + stages["decode"] + stages["ahead"] > 0, stages
+        assert stages["wait"] <= (repeat.ms_per_batch or 0) + 1.0, repeat
 
 
 def test_a_rows_stages_are_each_stages_median_over_the_repeats_that_ran() -> None:
@@ -328,16 +331,16 @@ def test_a_training_rows_diagnostics_beside_the_threadloader(
     for values in switches:
         assert len(values) == (windows if LINUX_STATUS else 0), values
         assert all(v >= 0 and (v * steps).is_integer() for v in values), values
-    # The loader's host time per batch handed out, per window: the readers read and decoded each batch,
-    # and the consumer's wait in next() is (within the clocks' reads) the row's own data wait.
-    assert len(row["stage_ms_per_batch"]) == windows
-    for stages, wall, wait in zip(
-        row["stage_ms_per_batch"], row["ms_per_step"], row["data_wait_frac"], strict=True
-    ):
-        assert {"read", "decode", "transform", "wait"} <= stages.keys(), stages
-        assert stages["read"] > 0 and stages["decode"] > 0, stages
-        assert all(ms >= 0 for ms in stages.values()), stages
-        assert stages["wait"] <= wait * wall + 1.0, (stages, wait * wall)
+    # The loader's host time per batch handed out, per window. A window may hand out only batches made
+    # before it (readers run ahead by up to their prefetch window), so its reads and decodes can be 0;
+    # then the readers waited in it for room, which its batches freed.
+    stages = row["stage_ms_per_batch"]
+    assert len(stages) == windows
+    for window, wall, wait in zip(stages, row["ms_per_step"], row["data_wait_frac"], strict=True):
+        assert {"read", "decode", "transform", "wait"} <= window.keys(), window
+        assert all(ms >= 0 for ms in window.values()), window
+        assert window["wait"] <= wait * wall + 1.0, (window, wait * wall)
+    assert sum(w["read"] + w["decode"] + w["ahead"] for w in stages) > 0, stages
 
 
 def test_a_fixed_input_row_has_no_loader_stages(monkeypatch: pytest.MonkeyPatch) -> None:
