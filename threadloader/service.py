@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeGuard, TypeVar
 
 import torch
 
@@ -169,8 +169,7 @@ class _Batching(Generic[T, R]):
         return await asyncio.wrap_future(future)
 
     def _wait(self, timeout: float | None) -> float | None:
-        number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
-        if timeout is not None and not (number and timeout >= 0):  # NaN fails too: a caller spinning
+        if timeout is not None and not (_is_real(timeout) and timeout >= 0):  # NaN fails: a caller spinning
             raise ValueError(f"timeout must be None or a number of seconds, 0 or more, got {timeout!r}")
         if self.when_full != "block":
             return 0.0
@@ -542,12 +541,17 @@ def _check_batching(*, max_batch: int, max_delay_ms: float, max_queue: int, when
         raise ValueError(f"when_full must be 'block' or 'raise', got {when_full!r}")
 
 
+def _is_real(value: object) -> TypeGuard[float]:
+    """A real number (an int, a float, numpy's), not a bool: one that compares and converts as a float."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _is_number(value: object) -> bool:
     """A finite real number (numpy's too), not a bool (``True`` is no number of milliseconds).
 
     An int too large for a float (``10**400``) is none: torch and the lock waits take floats.
     """
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    if not _is_real(value):
         return False
     try:
         return math.isfinite(float(value))
