@@ -6,6 +6,11 @@ host call that queued it (``cuda_runtime``/``cuda_driver``) carries the same id 
 thread. A stream whose work was mostly queued by the training loop's thread is a training stream;
 every other stream (reader threads, nvImageCodec's own) is a loader stream.
 
+The host calls themselves are summed by name and by whose thread made them (the training loop's or
+any other): a call that waits for the GPU (``cudaFree``, ``cudaFreeHost``, a synchronize) made by a
+loader thread beside a busy step waits for the step's queued kernels too, so its count and time per
+step say whether the loader's calls stall on the step.
+
 CLI: ``python -m benchmarks.timeline TRACE.json --main-tid TID``.
 """
 
@@ -49,6 +54,8 @@ class Summary:
     busy_us: dict[str, float]  # role -> time with at least one item of that role running (union)
     overlap_us: float  # time with loader and training work both running
     queued_us: dict[str, list[float]]  # role -> launch-to-start delays
+    #: ("main" or "other" thread, call name) -> [items, summed us]
+    host_calls: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def loader_kernels(self) -> list[tuple[str, int, float]]:
         """The loader's kernels and copies by name: (name, items, summed microseconds), largest first."""
@@ -60,6 +67,16 @@ class Summary:
                     durations[name] += us
                 counts.update(s.counts)
         return sorted(((name, counts[name], us) for name, us in durations.items()), key=lambda k: -k[2])
+
+    def host_call_rows(self) -> list[tuple[str, int, float, int, float]]:
+        """Host CUDA calls by name: (name, main items, main us, other items, other us), slowest first."""
+        names = sorted({name for _, name in self.host_calls})
+        rows = []
+        for name in names:
+            main = self.host_calls.get(("main", name), [0, 0.0])
+            other = self.host_calls.get(("other", name), [0, 0.0])
+            rows.append((name, int(main[0]), main[1], int(other[0]), other[1]))
+        return sorted(rows, key=lambda row: -(row[2] + row[4]))
 
     def text(self, *, steps: int | None = None, top: int = 12) -> str:
         """A short report: per stream, overlap and queueing per role, then the loader's kernels by name.
@@ -102,6 +119,20 @@ class Summary:
                 if steps:
                     cells.append(f"{us / 1000 / steps:.3f}")
                 lines.append("| " + " | ".join(cells) + " |")
+        calls = self.host_call_rows()
+        if calls:
+            per = steps or 1
+            unit = f"per step ({steps})" if steps else "in the window"
+            lines += [
+                "",
+                f"| host CUDA call | training thread: items, ms {unit} | other threads: items, ms {unit} |",
+                "|---|---|---|",
+            ]
+            for name, main_n, main_us, other_n, other_us in calls[:top]:
+                lines.append(
+                    f"| {name} | {main_n / per:.1f}, {main_us / 1000 / per:.3f} "
+                    f"| {other_n / per:.1f}, {other_us / 1000 / per:.3f} |"
+                )
         return "\n".join(lines)
 
 
@@ -162,6 +193,13 @@ def summarize(events: Sequence[dict[str, Any]], *, main_tid: int) -> Summary:
         for e in events
         if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
     }
+    host_calls: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("cat") in LAUNCH_CATEGORIES:
+            key = ("main" if e.get("tid") == main_tid else "other", str(e.get("name")))
+            totals = host_calls.setdefault(key, [0, 0.0])
+            totals[0] += 1
+            totals[1] += float(e.get("dur", 0.0))
     streams: dict[int, StreamUse] = {}
     by_main: Counter[int] = Counter()
     matched: Counter[int] = Counter()
@@ -197,6 +235,7 @@ def summarize(events: Sequence[dict[str, Any]], *, main_tid: int) -> Summary:
         busy_us={role: union_length(intervals) for role, intervals in by_role.items()},
         overlap_us=intersection_length(by_role["loader"], by_role["training"]),
         queued_us=dict(queued),
+        host_calls=host_calls,
     )
 
 

@@ -16,9 +16,9 @@ step: ``torch peak`` is torch's peak allocated memory above the step's own peak,
 device-wide used memory (worker processes' contexts and nvImageCodec included), sampled, above the
 level before the loader started.
 
-``--timeline`` instead profiles each loader's row (of the first kind and pipeline) with torch.profiler,
-writes the chrome traces and prints where the loader's kernels ran against the training kernels
-(``benchmarks.timeline``).
+``--timeline`` instead profiles each loader's row (of the first kind and pipeline, and each ThreadLoader
+variant's) with torch.profiler, writes the chrome traces and prints where the loader's kernels ran
+against the training kernels and the host CUDA calls by thread (``benchmarks.timeline``).
 """
 
 from __future__ import annotations
@@ -285,6 +285,8 @@ def _profile(
     prof.export_chrome_trace(str(trace))
     summary = timeline.summarize(timeline.read_trace(trace), main_tid=threading.get_native_id())
     text = summary.text(steps=args.steps)
+    if row.spec.options:
+        text = f"ThreadLoader arguments: {row.spec.options}\n\n{text}"
     if row.stage_ms_per_batch:
         stages = row.stage_ms_per_batch[-1]
         text += "\n\nThreadLoader's host ms per batch, per stage (summed over its threads): " + ", ".join(
@@ -423,10 +425,12 @@ def main(argv: Sequence[str] | None = None) -> list[TrainingRow]:
     if args.timeline:
         profiled = []
         for loader in (name for name in args.loaders if name != "fixed_input"):
-            spec = RowSpec(args.kinds[0], loader, args.pipelines[0])
-            print(f"timeline: {spec.kind} step, {spec.pipeline}, {spec.name}", file=sys.stderr, flush=True)
-            profile = f"{spec.kind}-{spec.pipeline}-{loader}"
-            profiled.append(run_row(spec, args, [*argv, "--profile", profile]))
+            variants = (args.threadloader_variant or ()) if loader == "threadloader" else ()
+            for number, options in enumerate([{}, *variants]):
+                spec = RowSpec(args.kinds[0], loader, args.pipelines[0], options=options)
+                _progress(f"timeline: {spec.kind} step, {spec.pipeline}, {spec.name}")
+                profile = f"{spec.kind}-{spec.pipeline}-{loader}" + (f"-variant{number}" if number else "")
+                profiled.append(run_row(spec, args, [*argv, "--profile", profile]))
         return profiled
     specs, rows, started = plan(args), [], time.perf_counter()
     for i, spec in enumerate(specs, 1):

@@ -101,13 +101,18 @@ def test_training_timeline_writes_a_trace(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = run_benchmark(
         "benchmarks.training",
-        ["--quick", "--device", "cpu", "--timeline", "--loaders", "threadloader", "--out", str(out)],
+        [
+            *["--quick", "--device", "cpu", "--timeline", "--loaders", "threadloader", "--out", str(out)],
+            *["--threadloader-variant", "prefetch=1"],
+        ],
         tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     trace = json.loads((out / "timeline-eager-resize-threadloader.json").read_text())
     assert any(e.get("cat") == "cpu_op" for e in trace["traceEvents"])
     assert (out / "timeline-eager-resize-threadloader.md").read_text().startswith("GPU timeline")
+    variant = (out / "timeline-eager-resize-threadloader-variant1.md").read_text()
+    assert variant.startswith("ThreadLoader arguments: {'prefetch': 1}")
 
 
 def test_stages_beside_a_step_says_it_needs_a_gpu(tmp_path: Path) -> None:

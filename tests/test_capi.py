@@ -240,12 +240,20 @@ def test_a_library_that_does_not_load_is_unsupported(tmp_path: object) -> None:
         _capi.Library(tmp_path)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("fancy", [True, False])
-def test_the_upsampling_option_reaches_nvimgcodecs_cpu_jpeg_decoder(fancy: bool) -> None:
+@pytest.mark.parametrize(
+    ("fancy", "extra"), [(True, ""), (False, ""), (True, "libjpeg_turbo_decoder:fancy_upsampling=0")]
+)
+def test_the_upsampling_option_reaches_nvimgcodecs_cpu_jpeg_decoder(
+    fancy: bool, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``jpeg_fancy_upsampling=False``'s options string repeats each 4:2:0 chroma sample on the CPU
     decoder too; on, the decoder interpolates as Pillow does. The image's chroma is constant in 2x2
-    blocks, so repeating restores the image encoded (the reference) and interpolating does not."""
+    blocks, so repeating restores the image encoded (the reference) and interpolating does not.
+    ``THREADLOADER_NVIMGCODEC_OPTIONS`` reaches nvImageCodec the same way: its option turns it off."""
     from threadloader.decode.nvimgcodec._engines import decoder_options
+
+    monkeypatch.setenv("THREADLOADER_NVIMGCODEC_OPTIONS", extra)
+    fancy_result = fancy and not extra
 
     original = np.random.default_rng(3).integers(0, 256, (40, 48, 3), dtype=np.uint8)
     original = original.repeat(2, axis=0).repeat(2, axis=1)
@@ -255,14 +263,14 @@ def test_the_upsampling_option_reaches_nvimgcodecs_cpu_jpeg_decoder(fancy: bool)
         device_id=_capi.DEVICE_CPU_ONLY,
         backends=[(_capi.CPU_ONLY, 1.0)],
         cpu_threads=1,
-        options=decoder_options(fancy_upsampling=fancy),
+        options=decoder_options(fancy_upsampling=fancy, batch=0),
     )
     workspace = _capi.Workspace(INSTANCE)
     assert workspace.parse([data]) == [0]
     memory, decoded = _decode_into_host(workspace, decoder, [(80, 96)], [0])
     assert decoded == [True]
     error = float(np.abs(memory[0, :80, :96].astype(float) - original).mean())
-    if fancy:
+    if fancy_result:
         assert error > 10.0, error  # Pillow's own decode is about 26 levels off
     else:
         assert error < 4.0, error

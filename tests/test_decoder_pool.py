@@ -317,7 +317,7 @@ def test_each_configuration_asks_nvimgcodec_for_its_kinds(
     made: list[object] = []
     monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["backends"]))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    _engines.CApiEngine(None).new_decoder(0, config, 2, True)  # type: ignore[arg-type]
+    _engines.CApiEngine(None).new_decoder(0, config, 2, True, 64)  # type: ignore[arg-type]
     (asked,) = made
     assert (None if asked is None else list(asked)) == kinds  # type: ignore[call-overload]
 
@@ -328,7 +328,7 @@ def test_jpeg_fancy_upsampling_reaches_every_jpeg_decoder(
     monkeypatch: pytest.MonkeyPatch, engine: str, fancy: bool
 ) -> None:
     """Off, nvJPEG's two decoders and the CPU one get nvImageCodec's ``fancy_upsampling=0`` option (the
-    names are nvImageCodec 0.9's documented decoder ids); on, the options stay empty, its default."""
+    names are nvImageCodec 0.9's documented decoder ids); on, none of them does, its default."""
     import contextlib
     import types
 
@@ -340,7 +340,7 @@ def test_jpeg_fancy_upsampling_reaches_every_jpeg_decoder(
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     if engine == "capi":
         monkeypatch.setattr(_capi, "Decoder", lambda instance, **options: made.append(options["options"]))
-        _engines.CApiEngine(None).new_decoder(0, "split", 2, fancy)  # type: ignore[arg-type]
+        _engines.CApiEngine(None).new_decoder(0, "split", 2, fancy, 64)  # type: ignore[arg-type]
     else:
         fake = types.SimpleNamespace(
             DecodeParams=lambda **_: None,
@@ -352,16 +352,23 @@ def test_jpeg_fancy_upsampling_reaches_every_jpeg_decoder(
             HYBRID_CPU_GPU=3,
             Decoder=lambda **options: made.append(options["options"]),
         )
-        _engines.PythonApiEngine(fake).new_decoder(0, "split", 2, fancy)  # type: ignore[arg-type]
+        _engines.PythonApiEngine(fake).new_decoder(0, "split", 2, fancy, 64)  # type: ignore[arg-type]
     (options,) = made
+    always = [  # DALI's: the CUDA decoder's staging buffers padded, the engine's made for the batch
+        "nvjpeg_cuda_decoder:host_memory_padding=8388608",
+        "nvjpeg_hw_decoder:preallocate_batch_size=64",
+    ]
     if fancy:
-        assert options == ""
+        assert sorted(options.split()) == always
     else:
-        assert sorted(options.split()) == [
-            "libjpeg_turbo_decoder:fancy_upsampling=0",
-            "nvjpeg_cuda_decoder:fancy_upsampling=0",
-            "nvjpeg_hw_decoder:fancy_upsampling=0",
-        ]
+        assert sorted(options.split()) == sorted(
+            [
+                *always,
+                "libjpeg_turbo_decoder:fancy_upsampling=0",
+                "nvjpeg_cuda_decoder:fancy_upsampling=0",
+                "nvjpeg_hw_decoder:fancy_upsampling=0",
+            ]
+        )
 
 
 def test_jpeg_fancy_upsampling_is_refused_beside_a_decoder_of_ones_own() -> None:

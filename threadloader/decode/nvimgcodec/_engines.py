@@ -11,6 +11,7 @@ hand-off that a training loop beside it pays.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ __all__ = [
     "CONFIGS",
     "ENGINES",
     "HARDWARE_SHARE",
+    "OPTIONS_ENV",
     "CApiEngine",
     "Engine",
     "EngineBatch",
@@ -63,8 +65,22 @@ _NO_FANCY_UPSAMPLING = " ".join(
 )
 
 
-def decoder_options(*, fancy_upsampling: bool) -> str:
-    """nvImageCodec's options string for a Decoder.
+#: nvImageCodec options (``"decoder_id:option=value ..."``, as nvImageCodec's ``options=`` takes them)
+#: appended to every Decoder's own, read when a Decoder is made: nvImageCodec's knobs (its decoders'
+#: memory paddings and preallocation, the engine's batch hints) tried without a code change.
+OPTIONS_ENV = "THREADLOADER_NVIMGCODEC_OPTIONS"
+
+
+#: Extra pinned host memory (bytes) nvJPEG's CUDA decoder adds to each of its staging buffers when one
+#: grows, DALI's ``host_memory_padding`` default. Without it a buffer grows by what each larger photo
+#: needs, and every growth frees the old one with ``cudaFreeHost``, which waits for the whole GPU: beside
+#: a busy training step, a wait for the step's queued kernels (docs/benchmarks.md, "Host calls that wait
+#: for the GPU").
+HOST_MEMORY_PADDING = 8 << 20
+
+
+def decoder_options(*, fancy_upsampling: bool, batch: int) -> str:
+    """nvImageCodec's options string for a Decoder, with :data:`OPTIONS_ENV`'s appended (later wins).
 
     nvImageCodec upsamples JPEG chroma smoothly by default, as libjpeg and Pillow do. With that on, its
     JPEG engine decodes a batch of mixed chroma subsamplings one image at a time, waiting for the GPU
@@ -72,8 +88,18 @@ def decoder_options(*, fancy_upsampling: bool) -> str:
     of it beside a busy GPU; off, it decodes the batch in one call, as DALI does by default
     (``jpeg_fancy_upsampling=False``). docs/benchmarks.md has the measurements. Images that Pillow
     decodes instead (those nvImageCodec gives up on) are upsampled smoothly either way.
+
+    As DALI does, the CUDA decoder's staging buffers grow with :data:`HOST_MEMORY_PADDING` to spare,
+    and the JPEG engine's buffers are made for ``batch`` images up front (``0``: nvImageCodec's
+    default of one).
     """
-    return "" if fancy_upsampling else _NO_FANCY_UPSAMPLING
+    parts = [f"nvjpeg_cuda_decoder:host_memory_padding={HOST_MEMORY_PADDING}"]
+    if batch > 0:
+        parts.append(f"nvjpeg_hw_decoder:preallocate_batch_size={batch}")
+    if not fancy_upsampling:
+        parts.append(_NO_FANCY_UPSAMPLING)
+    parts.append(os.environ.get(OPTIONS_ENV, "").strip())
+    return " ".join(part for part in parts if part)
 
 
 #: The Decoder configurations pools are made of: the nvImageCodec backend kinds each allows, with their
@@ -220,10 +246,13 @@ class Engine(ABC):
     name: str
 
     @abstractmethod
-    def new_decoder(self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
+    def new_decoder(
+        self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool, batch: int
+    ) -> Any:
         """A new Decoder on the device, limited to ``config``'s kinds (see :data:`CONFIGS`).
 
-        ``fancy_upsampling``: smooth JPEG chroma upsampling, as Pillow's (see :func:`decoder_options`).
+        ``fancy_upsampling``: smooth JPEG chroma upsampling, as Pillow's; ``batch``: the images per call
+        it is made for (see :func:`decoder_options`).
         """
 
     def destroy(self, decoder: Any) -> None:  # noqa: B027  # the Python API's are freed with their object
@@ -251,7 +280,7 @@ class CApiEngine(Engine):
         self._local = threading.local()
 
     def new_decoder(
-        self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool
+        self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool, batch: int
     ) -> _capi.Decoder:
         kinds = CONFIGS[config]
         backends = None if kinds is None else [(getattr(_capi, kind), hint) for kind, hint in kinds]
@@ -261,7 +290,7 @@ class CApiEngine(Engine):
                 device_id=device_index,
                 backends=backends,
                 cpu_threads=cpu_threads,
-                options=decoder_options(fancy_upsampling=fancy_upsampling),
+                options=decoder_options(fancy_upsampling=fancy_upsampling, batch=batch),
             )
 
     def destroy(self, decoder: Any) -> None:
@@ -360,7 +389,9 @@ class PythonApiEngine(Engine):
             apply_exif_orientation=True, color_spec=nvimgcodec.SRGB, sample_format=nvimgcodec.I_RGB
         )
 
-    def new_decoder(self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool) -> Any:
+    def new_decoder(
+        self, device_index: int, config: str, cpu_threads: int, fancy_upsampling: bool, batch: int
+    ) -> Any:
         nv, kinds = self._nv, CONFIGS[config]
         backends = None
         if kinds is not None:
@@ -373,7 +404,7 @@ class PythonApiEngine(Engine):
                 device_id=device_index,
                 max_num_cpu_threads=cpu_threads,
                 backends=backends,
-                options=decoder_options(fancy_upsampling=fancy_upsampling),
+                options=decoder_options(fancy_upsampling=fancy_upsampling, batch=batch),
             )
 
     def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:

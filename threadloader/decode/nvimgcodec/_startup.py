@@ -59,7 +59,7 @@ def new_decoder(
     engines"); DALI makes its first call with its own batch size for the same reason.
     """
     made = engine_named(engine)
-    decoder = made.new_decoder(device_index, config, cpu_threads, fancy_upsampling)
+    decoder = made.new_decoder(device_index, config, cpu_threads, fancy_upsampling, batch)
     try:
         _prime(made, decoder, torch.device("cuda", device_index), batch or _PRIME_IMAGES)
     except Exception:  # the first real call decodes, or falls back, as it would have
