@@ -580,6 +580,14 @@ def queued(results: Path, charts: bool) -> list[str]:
     return [*throughput_tables(runs, page=True, title=queued_title), *steps]
 
 
+def options(results: Path, charts: bool) -> list[str]:
+    """nvJPEG's memory options against the ones before, call by call beside the step: tables only."""
+    found = load(results, "options-training-*.json")
+    if not found:
+        return no_results("options-training-*.json")
+    return [*training_table(found, page=True), *main_thread_table(found)]
+
+
 def training(results: Path, charts: bool) -> list[str]:
     found = load(results, "training*.json")
     if not found:
@@ -623,6 +631,7 @@ SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
     "training": training,
     "gil": gil,
     "queued": queued,
+    "options": options,
     "memory": memory,
     "cpu": cpu,
     "cpu_training": cpu_training,

@@ -36,8 +36,22 @@ def test_every_section_says_when_it_has_no_results(tmp_path: Path) -> None:
         assert f"No results yet (`docs/results/{pattern}`)." in text
     assert "cpu-throughput*.json" in text and "cpu-training*.json" in text
     assert "queued*-throughput-*.json, queued*-training.json" in text
+    assert "No results yet (`docs/results/options-training-*.json`)." in text
     assert "{{" not in text
     assert "No training results yet" in report.training_summary(tmp_path)
+
+
+def test_the_options_section_reads_its_own_files_only(tmp_path: Path) -> None:
+    """Its files are training files of one call each: not in the training section, and not it in theirs."""
+    shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
+    data = json.loads((tmp_path / "training.json").read_text())
+    data["rows"] = [row for row in data["rows"] if row["spec"]["loader"] == "fixed_input"]
+    data["rows"][0]["spec"]["kind"] = "marked"
+    (tmp_path / "options-training-h100-1.json").write_text(json.dumps(data))
+    options = "\n".join(report.options(tmp_path, charts=False))
+    assert "| marked |" in options and "options-training-h100-1.json" in options
+    assert f"{tmp_path / 'training.json'}`" not in options
+    assert "| marked |" not in "\n".join(report.training(tmp_path, charts=False))
 
 
 def test_training_files_stand_side_by_side_by_interpreter(tmp_path: Path) -> None:
