@@ -6,10 +6,10 @@ host call that queued it (``cuda_runtime``/``cuda_driver``) carries the same id 
 thread. A stream whose work was mostly queued by the training loop's thread is a training stream;
 every other stream (reader threads, nvImageCodec's own) is a loader stream.
 
-The host calls themselves are summed by name and by whose thread made them (the training loop's or
-any other): a call that waits for the GPU (``cudaFree``, ``cudaFreeHost``, a synchronize) made by a
-loader thread beside a busy step waits for the step's queued kernels too, so its count and time per
-step say whether the loader's calls stall on the step.
+The host calls themselves are summed by name and by whose thread made them (the training loop's, the
+loader's reader threads, or any other: nvImageCodec's, the driver's): a call that waits for the GPU
+(``cudaFree``, ``cudaFreeHost``, a synchronize) made beside a busy step waits for the step's queued
+kernels too, so its count and time per step say whether the loader's calls stall on the step.
 
 CLI: ``python -m benchmarks.timeline TRACE.json --main-tid TID``.
 """
@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+#: Whose host calls are summed apart: the training loop's thread, the loader's readers, all others.
+THREADS = ("main", "readers", "other")
+THREAD_TITLES = {"main": "training thread", "readers": "reader threads", "other": "other threads"}
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 Interval = tuple[float, float]
@@ -54,7 +57,7 @@ class Summary:
     busy_us: dict[str, float]  # role -> time with at least one item of that role running (union)
     overlap_us: float  # time with loader and training work both running
     queued_us: dict[str, list[float]]  # role -> launch-to-start delays
-    #: ("main" or "other" thread, call name) -> [items, summed us]
+    #: (THREADS name of the calling thread, call name) -> [items, summed us]
     host_calls: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def loader_kernels(self) -> list[tuple[str, int, float]]:
@@ -68,15 +71,14 @@ class Summary:
                 counts.update(s.counts)
         return sorted(((name, counts[name], us) for name, us in durations.items()), key=lambda k: -k[2])
 
-    def host_call_rows(self) -> list[tuple[str, int, float, int, float]]:
-        """Host CUDA calls by name: (name, main items, main us, other items, other us), slowest first."""
+    def host_call_rows(self) -> list[tuple[str, list[tuple[int, float]]]]:
+        """Host CUDA calls by name: (name, [(items, us) per :data:`THREADS`]), slowest first."""
         names = sorted({name for _, name in self.host_calls})
         rows = []
         for name in names:
-            main = self.host_calls.get(("main", name), [0, 0.0])
-            other = self.host_calls.get(("other", name), [0, 0.0])
-            rows.append((name, int(main[0]), main[1], int(other[0]), other[1]))
-        return sorted(rows, key=lambda row: -(row[2] + row[4]))
+            cells = [self.host_calls.get((threads, name), [0, 0.0]) for threads in THREADS]
+            rows.append((name, [(int(items), us) for items, us in cells]))
+        return sorted(rows, key=lambda row: -sum(us for _, us in row[1]))
 
     def text(self, *, steps: int | None = None, top: int = 12) -> str:
         """A short report: per stream, overlap and queueing per role, then the loader's kernels by name.
@@ -123,16 +125,11 @@ class Summary:
         if calls:
             per = steps or 1
             unit = f"per step ({steps})" if steps else "in the window"
-            lines += [
-                "",
-                f"| host CUDA call | training thread: items, ms {unit} | other threads: items, ms {unit} |",
-                "|---|---|---|",
-            ]
-            for name, main_n, main_us, other_n, other_us in calls[:top]:
-                lines.append(
-                    f"| {name} | {main_n / per:.1f}, {main_us / 1000 / per:.3f} "
-                    f"| {other_n / per:.1f}, {other_us / 1000 / per:.3f} |"
-                )
+            header = " | ".join(f"{THREAD_TITLES[threads]}: items, ms {unit}" for threads in THREADS)
+            lines += ["", f"| host CUDA call | {header} |", "|---|" + "---|" * len(THREADS)]
+            for name, counted in calls[:top]:
+                values = " | ".join(f"{items / per:.1f}, {us / 1000 / per:.3f}" for items, us in counted)
+                lines.append(f"| {name} | {values} |")
         return "\n".join(lines)
 
 
@@ -181,22 +178,26 @@ def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
     return total
 
 
-def summarize(events: Sequence[dict[str, Any]], *, main_tid: int) -> Summary:
+def summarize(events: Sequence[dict[str, Any]], *, main_tid: int, reader_tids: Iterable[int] = ()) -> Summary:
     """Per-stream use, overlap and queueing of the GPU items in a chrome trace's ``traceEvents``.
 
     Args:
         events: The trace's events.
         main_tid: Native id of the training loop's thread (``threading.get_native_id()``).
+        reader_tids: Native ids of the loader's reader threads (their host calls are summed apart).
     """
     launches = {
         e["args"]["correlation"]: e
         for e in events
         if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
     }
+    readers = set(reader_tids)
     host_calls: dict[tuple[str, str], list[float]] = {}
     for e in events:
         if e.get("cat") in LAUNCH_CATEGORIES:
-            key = ("main" if e.get("tid") == main_tid else "other", str(e.get("name")))
+            tid = e.get("tid")
+            threads = "main" if tid == main_tid else "readers" if tid in readers else "other"
+            key = (threads, str(e.get("name")))
             totals = host_calls.setdefault(key, [0, 0.0])
             totals[0] += 1
             totals[1] += float(e.get("dur", 0.0))

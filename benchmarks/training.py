@@ -283,7 +283,12 @@ def _profile(
     args.out.mkdir(parents=True, exist_ok=True)
     trace = args.out / f"timeline-{args.profile}.json"
     prof.export_chrome_trace(str(trace))
-    summary = timeline.summarize(timeline.read_trace(trace), main_tid=threading.get_native_id())
+    readers = [
+        t.native_id for t in threading.enumerate() if t.name.startswith("threadloader-e") and t.native_id
+    ]
+    summary = timeline.summarize(
+        timeline.read_trace(trace), main_tid=threading.get_native_id(), reader_tids=readers
+    )
     text = summary.text(steps=args.steps)
     if row.spec.options:
         text = f"ThreadLoader arguments: {row.spec.options}\n\n{text}"

@@ -103,21 +103,30 @@ def test_host_calls_by_name_and_thread_per_step() -> None:
     def call(name: str, by: int, dur: float) -> dict[str, Any]:
         return {"cat": "cuda_runtime", "name": name, "ts": 0, "dur": dur, "tid": by, "args": {}}
 
+    other = 300  # one of nvImageCodec's threads
     events = [
         *_launched(1, by=MAIN, at=0, start=0, dur=10, stream=7),  # a cudaLaunchKernel of 2 us
-        call("cudaFree", READER, 3000),
-        call("cudaFree", READER, 1000),
+        call("cudaFree", other, 3000),
+        call("cudaFree", other, 1000),
+        call("cudaHostAlloc", READER, 700),
         call("cudaStreamSynchronize", MAIN, 500),
-        call("cudaStreamSynchronize", READER, 100),
+        call("cudaStreamSynchronize", other, 100),
         {"cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 9000, "tid": READER, "args": {}},
     ]
-    summary = summarize(events, main_tid=MAIN)
+    summary = summarize(events, main_tid=MAIN, reader_tids=[READER])
     assert summary.host_call_rows() == [
-        ("cudaFree", 0, 0.0, 2, 4000.0),
-        ("cudaStreamSynchronize", 1, 500.0, 1, 100.0),
-        ("cudaLaunchKernel", 1, 2.0, 0, 0.0),
+        ("cudaFree", [(0, 0.0), (0, 0.0), (2, 4000.0)]),
+        ("cudaHostAlloc", [(0, 0.0), (1, 700.0), (0, 0.0)]),
+        ("cudaStreamSynchronize", [(1, 500.0), (0, 0.0), (1, 100.0)]),
+        ("cudaLaunchKernel", [(1, 2.0), (0, 0.0), (0, 0.0)]),
     ]
     text = summary.text(steps=2)
-    assert "| cudaFree | 0.0, 0.000 | 1.0, 2.000 |" in text
-    assert "| cudaStreamSynchronize | 0.5, 0.250 | 0.5, 0.050 |" in text
+    assert "| cudaFree | 0.0, 0.000 | 0.0, 0.000 | 1.0, 2.000 |" in text
+    assert "| cudaHostAlloc | 0.0, 0.000 | 0.5, 0.350 | 0.0, 0.000 |" in text
+    assert "| cudaStreamSynchronize | 0.5, 0.250 | 0.0, 0.000 | 0.5, 0.050 |" in text
     assert "aten::add" not in text
+    # without the readers' ids, their calls count as other threads'
+    assert summarize(events, main_tid=MAIN).host_call_rows()[1] == (
+        "cudaHostAlloc",
+        [(0, 0.0), (0, 0.0), (1, 700.0)],
+    )
