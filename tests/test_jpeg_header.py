@@ -196,6 +196,34 @@ def test_an_end_marker_in_the_header_is_not_the_files_end() -> None:
     assert has_end_marker(data + b"motion photo") is True
 
 
+def _gapped(data: bytes) -> memoryview:
+    """A view of ``data``'s bytes with a gap after each: a slice of a larger buffer, not contiguous."""
+    spread = np.zeros(2 * len(data), dtype=np.uint8)
+    spread[::2] = np.frombuffer(data, dtype=np.uint8)
+    return memoryview(spread[::2])
+
+
+@pytest.mark.parametrize("marker", [0xFE, 0xEF])  # COM, APP15
+def test_an_end_marker_in_a_segment_between_scans_is_not_the_files_end(marker: int) -> None:
+    """A progressive file has segments between its scans: one whose payload holds FF D9 in the tail
+    made a file cut in a later scan pass as whole (a fuzzer found it)."""
+    data = encode(photo(64, 96, 7), quality=90, progressive=True)
+    last = data.rindex(b"\xff\xda")  # FF DA never occurs in coded data: the last scan's header
+    payload = b"ab\xff\xd9cd"
+    segment = bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+    whole = data[:last] + segment + data[last:]
+    assert len(whole) - last < 1024  # the segment's FF D9 is in the tail that is searched
+    assert np.array_equal(pil_reference(whole), pil_reference(data))  # the reference: a whole file
+    for blob in (whole, memoryview(whole), bytearray(whole), whole + b"motion photo", _gapped(whole)):
+        assert has_end_marker(blob) is True
+    after = last + len(segment)
+    for cut in (last + 9, after + 2, after + (len(whole) - after) // 2, len(whole) - 1):
+        with pytest.raises(OSError):  # Pillow, the reference: truncated
+            pil_reference(whole[:cut])
+        for blob in (whole[:cut], memoryview(whole[:cut]), bytearray(whole[:cut]), _gapped(whole[:cut])):
+            assert has_end_marker(blob) is False, cut
+
+
 def test_a_memoryview_of_wider_items_is_read_by_its_bytes() -> None:
     """Positions counted items: a valid JPEG seen through a uint32 or 2-D view had no end marker."""
     data = with_orientation(photo(20, 30, 4), 6)

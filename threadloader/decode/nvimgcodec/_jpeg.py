@@ -6,6 +6,8 @@ parser, which holds the GIL (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "exif_orientation",
     "has_end_marker",
@@ -22,15 +24,17 @@ _ORIENTATION_TAG = 0x0112
 _SHORT = 3  # the TIFF type the orientation tag has
 _ABSENT = 0  # _tiff_orientation's answer for a directory without the tag
 _XMP = b"http://ns.adobe.com/xap/1.0/\x00"
+_END = re.compile(rb"\xff\xd9")
+_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")  # in coded data FF is followed by 00 or RSTn
 
 
 def _octets(data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
     """``data`` indexed by byte, which every position here counts in.
 
-    A memoryview of other items (a uint32 array's, or signed bytes, which never equal 0xFF) or of several
-    dimensions becomes one of its unsigned bytes.
+    A memoryview of other items (a uint32 array's, or signed bytes, which never equal 0xFF), of several
+    dimensions or with gaps (which ``re`` cannot search) becomes one of its unsigned bytes.
     """
-    if not isinstance(data, memoryview) or (data.format == "B" and data.ndim == 1):
+    if not isinstance(data, memoryview) or (data.format == "B" and data.ndim == 1 and data.c_contiguous):
         return data
     return data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
 
@@ -170,19 +174,34 @@ def has_end_marker(data: bytes | bytearray | memoryview, *, tail: int = 1024) ->
     nvImageCodec 0.9.0 decodes a JPEG cut in half "successfully", garbage in its lower half. Such
     files go to Pillow, which raises for truncation; files with data after the marker (motion photos)
     also go there and decode correctly, only slower. FF D9 cannot occur inside entropy-coded data, but
-    it does in the header: an EXIF thumbnail ends with one, so a camera file cut early in its scan
-    would have passed.
+    it does inside a segment: an EXIF thumbnail ends with one, and a progressive file has tables and
+    comments between its scans, so a file cut in a later scan would have passed. The walk from the
+    first scan skips each segment by its length; ``re`` finds the markers in the coded data, so no
+    Python loop runs over its bytes. A file that ends with FF D9 (nearly every one) is not walked:
+    only one cut right after those bytes inside a segment gets past that.
     """
     data = _octets(data)
     if data[-2:] == b"\xff\xd9":  # where nearly every file has it
         return True
-    scan = next((position for marker, position, _ in _segments(data) if marker == _SOS), None)
+    scan = next(((position, length) for marker, position, length in _segments(data) if marker == _SOS), None)
     if scan is None:  # no scan: nothing was decoded to end
         return False
-    start = max(scan, len(data) - tail)
-    if isinstance(data, memoryview):
-        return b"\xff\xd9" in bytes(data[start:])
-    return data.find(b"\xff\xd9", start) >= 0  # no copy of the tail
+    start = max(scan[0], len(data) - tail)
+    if _END.search(data, start) is None:  # no copy of the tail, and no walk
+        return False
+    position = scan[0] + 2 + scan[1]  # the first scan's coded data
+    while (found := _MARKER.search(data, position)) is not None:
+        position = found.start()
+        marker = data[position + 1]
+        if marker == 0xD9:
+            return position >= start
+        if marker in _STANDALONE:
+            position += 2
+        elif position + 4 > len(data):  # cut in a segment's length
+            return False
+        else:
+            position += 2 + ((data[position + 2] << 8) | data[position + 3])
+    return False  # coded data or a segment runs to the end: cut
 
 
 def with_exif_orientation(data: bytes, orientation: int) -> bytes:
