@@ -911,6 +911,10 @@ def test_size_none_keeps_each_original_size() -> None:
         ),
         ({"mean": (0.5,) * 2, "std": (0.5,) * 2, "dtype": torch.float32}, "one value per RGB channel"),
         ({"mean": (0.5,) * 3, "std": (0.5, 0.0, 0.5), "dtype": torch.float32}, "std must not contain zeros"),
+        (  # nonzero as a Python float, zero in float32 (torch.tensor(1e-46) == 0): every pixel inf
+            {"mean": (0.5,) * 3, "std": (0.5, 1e-46, 0.5), "dtype": torch.float32},
+            r"std evaluated to zero after conversion to torch\.float32",
+        ),
         # "object of type 'float' has no len()", "could not convert string to float: 'a'", all-NaN outputs.
         (
             {"mean": 0.5, "std": (0.5,) * 3, "dtype": torch.float32},

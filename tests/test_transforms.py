@@ -3,6 +3,8 @@ it, and reproducible random crops in the loader whatever the thread count."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -261,6 +263,14 @@ def test_normalize_and_dtype_parity(v2) -> None:  # type: ignore[no-untyped-def]
     torch.testing.assert_close(ours(IMAGE), theirs(IMAGE), atol=1e-6, rtol=0)
 
 
+def test_normalize_refuses_a_std_zero_in_the_dtype_as_torchvision(v2) -> None:  # type: ignore[no-untyped-def]
+    images = torch.rand(3, 4, 5, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"std evaluated to zero after conversion to torch\.float16"):
+        v2.Normalize((0.5,) * 3, (1e-8,) * 3)(images)
+    with pytest.raises(ValueError, match=r"std evaluated to zero after conversion to torch\.float16"):
+        Normalize((0.5,) * 3, (1e-8,) * 3)(images)
+
+
 def test_random_resized_crop_takes_any_leading_dimensions() -> None:
     stack = torch.stack([IMAGE, IMAGE.flip(-1)]).unsqueeze(0)  # (1, 2, 3, H, W)
     out = RandomResizedCrop(16).apply(stack, (3, 4, 50, 60))
@@ -415,6 +425,9 @@ def test_integer_types_torch_cannot_shift_convert_by_their_value_bits(
         # half precision scales in float32: the same conversions
         (torch.float16, torch.int32),
         (torch.bfloat16, torch.int64),
+        # as int32: 1.0 came out as 0
+        (torch.float32, torch.uint32),
+        (torch.bfloat16, torch.uint32),
     ],
 )
 def test_float_to_wide_integers_is_refused_as_torchvision_refuses_it(
@@ -485,3 +498,85 @@ def test_normalize_checks_its_values_when_built(mean: object, std: object) -> No
     with pytest.raises(ValueError, match=r"(mean|std) (must|need)"):
         Normalize(mean, std)  # type: ignore[arg-type]
     assert Normalize(np.array([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.2, 0.2])).mean == (0.5, 0.4, 0.3)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        (torch.uint64, True),  # torch has no bit shifts for it: "lshift_cpu" not implemented for 'UInt64'
+        (torch.bool, True),
+        (torch.complex64, True),
+        (torch.float8_e4m3fn, True),  # "div_cpu_reduced_float" not implemented
+        (torch.int4, False),  # "copy_" not implemented for 'Int4'
+        (torch.uint2, False),
+        (torch.bits8, False),
+        (torch.qint8, False),
+    ],
+)
+def test_to_dtype_refuses_when_built_what_it_cannot_produce(dtype: torch.dtype, scale: bool) -> None:
+    """ToDtype(torch.uint64, scale=True) was built, then raised torch's NotImplementedError at a batch."""
+    with pytest.raises(
+        ValueError, match=rf"converts to float32, .*uint8, .*got {re.escape(str(dtype))}; use one of those"
+    ):
+        ToDtype(dtype, scale=scale)
+
+
+def test_to_dtype_still_makes_the_conversions_torch_can() -> None:
+    """Not refused: plain casts to uint64, bool and complex, and uint16 and uint32 scaled."""
+    image = IMAGE[:, :4, :5]
+    for dtype in (torch.uint64, torch.bool, torch.complex64):
+        got = ToDtype(dtype)(image)
+        assert got.dtype == dtype and torch.equal(got, image.to(dtype))
+    # Shifted by their value bits, past uint8's 8.
+    assert torch.equal(ToDtype(torch.uint16, scale=True)(image).to(torch.int64), image.to(torch.int64) << 8)
+    assert torch.equal(ToDtype(torch.uint32, scale=True)(image).to(torch.int64), image.to(torch.int64) << 24)
+    halves = torch.tensor([0.0, 1.0], dtype=torch.float64).view(1, 1, 1, -1)
+    assert ToDtype(torch.uint32, scale=True)(halves).flatten().tolist() == [0, 2**32 - 1]
+
+
+def test_uint16_images_come_back_from_floats_unchanged() -> None:
+    """Scaled in float32, 1.0 times 65535.999 rounded to 65536 and wrapped to 0 (white turned black)."""
+    every = torch.arange(2**16, dtype=torch.int64).to(torch.uint16).view(1, 1, 1, -1)
+    floats = ToDtype(torch.float32, scale=True)(every)
+    back = ToDtype(torch.uint16, scale=True)(floats)
+    assert torch.equal(back.to(torch.int64), every.to(torch.int64))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "std"), [(torch.float32, 1e-46), (torch.float16, 1e-8), (torch.bfloat16, 1e-45)]
+)
+def test_normalize_refuses_a_std_that_is_zero_in_the_images_dtype(dtype: torch.dtype, std: float) -> None:
+    """Nonzero as Python floats, these are zero in the images' type: every pixel came out inf or NaN."""
+    assert torch.tensor(std, dtype=dtype).item() == 0  # the premise, in plain torch
+    normalize = Normalize((0.5, 0.5, 0.5), (0.2, std, 0.2))  # the dtype is not known yet
+    with pytest.raises(
+        ValueError, match=rf"zero after conversion to {re.escape(str(dtype))},.*got std=.*{std!r}"
+    ):
+        normalize(torch.rand(3, 4, 5).to(dtype))
+
+
+def test_normalize_takes_a_tiny_std_its_dtype_holds() -> None:
+    """As torchvision: a std is refused only where it is zero; float64 holds 1e-300, float32 1e-45."""
+    images = torch.rand(3, 4, 5, dtype=torch.float64)
+    got = Normalize((0.5,), (1e-300,))(images)
+    torch.testing.assert_close(got, (images - 0.5) / 1e-300)
+    assert torch.tensor(1e-45, dtype=torch.float32).item() != 0
+    Normalize((0.5,), (1e-45,))(images.float())  # no error, whatever the values
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_output_normalization_refuses_a_std_zero_in_float32_on_both_paths(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader's mean/std: torch's ops (CPU) and the GPU's kernel both compute in float32 and refuse
+    the same std; the kernel divided by zero, giving inf."""
+    from threadloader._output import OutputFormat
+
+    if fused:
+        pytest.importorskip("triton")
+        from threadloader.transforms import _kernels
+
+        monkeypatch.setattr(_kernels, "_ON_CPU", True)  # interpreted: tests/test_kernels.py says how
+    output = OutputFormat(size=(4, 4), dtype=torch.float16, mean=(0.5,) * 3, std=(0.2, 1e-46, 0.2))
+    with pytest.raises(ValueError, match=r"conversion to torch\.float32,.*1e-46"):
+        output.apply(torch.stack([IMAGE, IMAGE]))

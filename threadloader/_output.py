@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode.base import Region
+from .transforms._checks import check_std
 from .transforms._kernels import resample
 from .transforms.functional import (
     Images,
@@ -67,6 +68,9 @@ class OutputFormat:
             for name, values in (("mean", mean), ("std", std)):
                 if len(values) != 3:
                     raise ValueError(f"{name} needs one value per RGB channel, got {values!r}")
+            # Refused when built, not at the first batch: a std that is zero in the type it divides in
+            # (float32, float64 for float64 output) would make every pixel inf.
+            check_std(tuple(std), torch.float64 if self.dtype == torch.float64 else torch.float32)
             object.__setattr__(self, "mean", mean)
             object.__setattr__(self, "std", std)
         if not isinstance(self.channels_last, bool):  # "no" would turn it on

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..decode.base import Region
+from ._checks import check_std
 from ._transfer import to_device
 
 __all__ = ["resample"]
@@ -184,6 +185,9 @@ def resample(
         A ``(B, 3, *size)`` tensor, or ``None`` where this kernel does not apply (no Triton, not on a
         GPU, not three channels, a dtype in or out other than ``uint8``, float16, bfloat16 and float32,
         or float in and ``uint8`` out): the caller then computes the same with torch's ops.
+
+    Raises:
+        ValueError: For a ``std`` that is zero in float32, as :func:`~.functional.normalize` refuses it.
     """
     if images.device.type != "cuda" and not _ON_CPU:
         return None
@@ -198,6 +202,10 @@ def resample(
         or len(images) == 0
     ):
         return None
+    means = tuple(mean) if mean is not None else (0.0, 0.0, 0.0)
+    stds = tuple(float(s) for s in std) if std is not None else (1.0, 1.0, 1.0)
+    # The kernel divides in float32 (its float arguments are float32): refused as the torch path refuses.
+    check_std(stds, torch.float32)
     count = len(images)
     out_h, out_w = size
     boxes = [
@@ -207,8 +215,6 @@ def resample(
     ]
     layout = torch.channels_last if channels_last else torch.contiguous_format
     out = torch.empty((count, 3, out_h, out_w), dtype=dtype, device=images.device, memory_format=layout)
-    means = tuple(mean) if mean is not None else (0.0, 0.0, 0.0)
-    stds = tuple(std) if std is not None else (1.0, 1.0, 1.0)
     kernel[(count, -(-out_h * out_w // _BLOCK))](
         images,
         out,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._transform import Transform
-from .functional import normalization, normalize, to_dtype
+from .functional import CAST_DTYPES, SCALED_DTYPES, normalization, normalize, to_dtype
 
 __all__ = ["Normalize", "ToDtype"]
 
@@ -28,11 +28,25 @@ class Normalize(Transform):
 
 
 class ToDtype(Transform):
-    """Converts the dtype; with ``scale``, uint8 0-255 maps to float [0, 1] and back."""
+    """Converts the dtype; with ``scale``, uint8 0-255 maps to float [0, 1] and back.
+
+    Raises:
+        TypeError: For ``dtype`` not a ``torch.dtype``.
+        ValueError: For a dtype the conversion cannot produce (uint64 with ``scale``, torch's sub-byte
+            types), when built rather than at the first batch.
+    """
 
     def __init__(self, dtype: torch.dtype, *, scale: bool = False) -> None:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"ToDtype takes a torch.dtype (say torch.float32), got {dtype!r}")
+        # Refused here, not with torch's NotImplementedError at the first batch, deep in a reader thread.
+        accepted = SCALED_DTYPES if scale else CAST_DTYPES
+        if dtype not in accepted:
+            names = ", ".join(str(each).removeprefix("torch.") for each in accepted)
+            without = " (or scale=False for a plain cast)" if dtype in CAST_DTYPES else ""
+            raise ValueError(
+                f"ToDtype(scale={scale}) converts to {names}, got {dtype}; use one of those{without}"
+            )
         self.dtype = dtype
         self.scale = scale
 

@@ -18,9 +18,12 @@ import torch.nn.functional as F
 
 from ..decode.base import Region
 from . import _kernels
+from ._checks import check_std
 from ._transfer import to_device
 
 __all__ = [
+    "CAST_DTYPES",
+    "SCALED_DTYPES",
     "Images",
     "center_crop",
     "horizontal_flip",
@@ -83,9 +86,12 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     convert by shifting their value bits. Half-precision floats scale to integers in float32: in their
     own precision 1.0 times 255.999 rounds to 256, which wraps to 0 (torchvision's white turns black).
 
+    Types past 15 value bits scale from floats in float64, where their largest value is exact.
+
     Raises:
-        RuntimeError: For float32 (and so float16 and bfloat16) to int32 or int64 and float64 to int64,
-            which cannot be scaled exactly, as torchvision refuses them.
+        RuntimeError: For float32 (and so float16 and bfloat16) to int32, uint32 or int64 and float64 to
+            int64, which cannot be scaled exactly, as torchvision refuses them. ``dtype`` is one of
+            :data:`SCALED_DTYPES` with ``scale``, else of :data:`CAST_DTYPES` (``ToDtype`` checks).
     """
     if images.dtype == dtype:
         return images
@@ -97,7 +103,11 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     if source_floating:
         if (images.dtype, dtype) in _UNSAFE:
             raise RuntimeError(f"The conversion from {images.dtype} to {dtype} cannot be performed safely.")
-        work = images.float() if images.dtype.itemsize < 4 else images
+        # float32 holds 24 bits: uint16's 65535.999 rounds up to 65536 there and 1.0 wraps to 0.
+        if _value_bits(dtype) > 15:
+            work = images.double()
+        else:
+            work = images.float() if images.dtype.itemsize < 4 else images
         return work.mul(torch.iinfo(dtype).max + 1 - 1e-3).to(dtype)  # torchvision's rule
     shift = _value_bits(dtype) - _value_bits(images.dtype)
     if images.dtype in _NO_SHIFTS or dtype in _NO_SHIFTS:  # torch has no bit shifts for them
@@ -114,8 +124,39 @@ _UNSAFE = {
     (torch.float32, torch.int32),
     (torch.float32, torch.int64),
     (torch.float64, torch.int64),
-    *((half, wide) for half in (torch.float16, torch.bfloat16) for wide in (torch.int32, torch.int64)),
+    (torch.float32, torch.uint32),  # as int32: float32 cannot tell its neighbouring values apart
+    *(
+        (half, wide)
+        for half in (torch.float16, torch.bfloat16)
+        for wide in (torch.int32, torch.uint32, torch.int64)
+    ),
 }
+#: What :func:`to_dtype` converts to with ``scale``: torch has no bit shifts for uint64 (nor can int64
+#: shift its 64 value bits), and no arithmetic for float8 on the CPU; bool and complex have no range.
+SCALED_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+)
+#: What it converts to without ``scale``, a plain cast: torch has no copy into sub-byte, bit and
+#: quantized types.
+CAST_DTYPES = (
+    *SCALED_DTYPES,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
 #: Integer types whose values torch cannot shift: they shift as int64 (wide enough for their values).
 _NO_SHIFTS = (torch.uint16, torch.uint32)
 
@@ -129,7 +170,11 @@ def _value_bits(dtype: torch.dtype) -> int:
 def normalize(
     images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, inplace: bool = False
 ) -> torch.Tensor:
-    """``(images - mean) / std`` per channel, on float images; ``inplace`` for a tensor the caller owns."""
+    """``(images - mean) / std`` per channel, on float images; ``inplace`` for a tensor the caller owns.
+
+    Raises:
+        ValueError: For a ``std`` that is zero in the images' dtype, as torchvision's ``normalize``.
+    """
     if not images.is_floating_point():
         raise TypeError("normalize needs float images: convert with ToDtype(torch.float32, scale=True) first")
     if images.ndim < 3:  # a (C, 1, 1) constant would broadcast a (H, W) image into (C, H, W)
@@ -139,8 +184,10 @@ def normalize(
         raise ValueError(
             f"normalize got {len(mean)} means and stds for images of {channels} channels: one per channel"
         )
+    stds = tuple(float(s) for s in std)
+    check_std(stds, images.dtype)  # a std that underflows in the images' type gives inf or NaN
     mean_t = _channel_constant(tuple(float(m) for m in mean), images.device, images.dtype)
-    std_t = _channel_constant(tuple(float(s) for s in std), images.device, images.dtype)
+    std_t = _channel_constant(stds, images.device, images.dtype)
     if inplace:
         return images.sub_(mean_t).div_(std_t)
     return (images - mean_t) / std_t
