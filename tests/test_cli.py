@@ -187,12 +187,159 @@ def test_every_image_bad_with_skip_is_an_error(tmp_path: Path) -> None:
     )
 
 
+def assert_no_python_spelling(line: str) -> None:
+    """The command's messages name its flags, not the library's keyword arguments."""
+    for python in ("device=", "allow_empty", "ImageFolder(", "None"):
+        assert python not in line, line
+
+
 def test_cuda_on_a_machine_without_one() -> None:
+    """It was the library's "device='cuda' but ...; pass device='cpu' (or None)"."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("checks the message on a machine without a GPU")
-    assert_one_line_error(cli("--device", "cuda", "--count", "4"), 2, "device='cuda'", "cpu")
+    for device in ("cuda", "cuda:1"):
+        line = assert_one_line_error(
+            cli("--device", device, "--count", "4"), 2, f"--device {device},", "no CUDA GPU", "--device cpu"
+        )
+        assert_no_python_spelling(line)
+
+
+@pytest.mark.parametrize("device", ["bogus", "mps", "cuda:x"])
+def test_a_device_that_is_not_cpu_or_cuda(capsys: pytest.CaptureFixture[str], device: str) -> None:
+    """It was the library's "device must be 'cpu', 'cuda', 'cuda:N' or None, got ...": a usage error now."""
+    code, out, err = in_process(capsys, "--device", device)
+    assert (code, out) == (2, "")
+    expected = f"argument --device: expected cpu, cuda or cuda:N, got {device!r} (see {PROG} --help)"
+    assert err == f"{PROG}: error: {expected}\n"
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if this machine had one CUDA GPU (the library's checks are made by the command first)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def test_a_cuda_device_past_the_last(capsys: pytest.CaptureFixture[str], one_gpu: None) -> None:
+    """It was the library's "device='cuda:3' but only 1 CUDA device(s) exist"."""
+    code, out, err = in_process(capsys, "--device", "cuda:3", "--count", "4")
+    assert (code, out) == (2, "")
+    assert err == f"{PROG}: error: --device cuda:3, but this machine has 1 CUDA device(s): cuda:0\n"
+
+
+def test_cuda_without_nvimgcodec(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, one_gpu: None
+) -> None:
+    """It was the library's ImportError, which ends "or pass device='cpu'"."""
+    import threadloader.__main__ as command
+
+    monkeypatch.setattr(command.devices, "_nvimgcodec_installed", lambda: False)
+    code, out, err = in_process(capsys, "--device", "cuda", "--count", "4")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith(f"{PROG}: error: --device cuda decodes on the GPU, which needs nvImageCodec")
+    assert "pip install 'nvidia-nvimgcodec-cu" in err and err.endswith("; or use --device cpu\n")
+    assert_no_python_spelling(err)
+
+
+def test_nvimgcodec_that_does_not_import(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, one_gpu: None
+) -> None:
+    """Installed but not importable: the library's own ImportError, its advice in the command's words."""
+    import threadloader.__main__ as command
+    from threadloader.decode.nvimgcodec._engines import import_nvimgcodec
+
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # "import nvidia.nvimgcodec" fails
+    if "nvidia" in sys.modules:
+        monkeypatch.delattr(sys.modules["nvidia"], "nvimgcodec", raising=False)
+    with pytest.raises(ImportError) as library:
+        import_nvimgcodec()
+    assert "device='cpu'" in str(library.value)  # what the command rewords
+
+    def loader(*args: object, **kwargs: object) -> None:
+        raise library.value
+
+    monkeypatch.setattr(command.devices, "_nvimgcodec_installed", lambda: True)
+    monkeypatch.setattr(command, "ThreadLoader", loader)
+    code, out, err = in_process(capsys, "--device", "cuda", "--count", "4")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith(f"{PROG}: error: --device cuda: GPU decoding needs nvImageCodec")
+    assert err.endswith("; or use --device cpu\n") and "device='cpu'" not in err
+
+
+def test_a_gpu_without_nvimgcodec_is_one_note(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, one_gpu: None
+) -> None:
+    """Without --device the library warns (CPUFallbackWarning, "pass device='cpu'", and a source line)."""
+    import warnings
+
+    import threadloader.__main__ as command
+
+    monkeypatch.setattr(command.devices, "_nvimgcodec_installed", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the library's warning would fail the run
+        code, out, err = in_process(
+            capsys, "--count", "8", "--batch-size", "4", "--size", "16", "--epochs", "1"
+        )
+    assert code == 0 and "on the CPU (Pillow)" in out
+    (line,) = err.splitlines()
+    assert line.startswith(f"{PROG}: note: a CUDA GPU is here, but nvImageCodec is not installed")
+    assert "--device cpu" in line and "pip install 'nvidia-nvimgcodec-cu" in line
+    assert_no_python_spelling(line)
+
+
+@pytest.fixture
+def empty_class(tmp_path: Path) -> Path:
+    """Classes cat, dog (no images: a note in it) and eel, two JPEGs each in cat and eel."""
+    for name, count in (("cat", 2), ("dog", 0), ("eel", 2)):
+        (tmp_path / name).mkdir()
+        for i in range(count):
+            (tmp_path / name / f"{i}.jpg").write_bytes(encode(photo(20, 24, seed=i), quality=90))
+    (tmp_path / "dog" / "notes.txt").write_text("no image here")
+    return tmp_path
+
+
+def test_an_empty_class_folder_names_allow_empty(empty_class: Path) -> None:
+    """It was the library's "...or pass ImageFolder(root, allow_empty=True)": the command had no flag."""
+    line = assert_one_line_error(
+        cli(str(empty_class), "--device", "cpu"), 2, str(empty_class), "'dog'", "--allow-empty"
+    )
+    assert_no_python_spelling(line)
+
+
+def test_allow_empty_keeps_an_empty_class(capsys: pytest.CaptureFixture[str], empty_class: Path) -> None:
+    """Targets as torchvision's ImageFolder(allow_empty=True): the empty class keeps its index."""
+    from threadloader import ImageFolder
+    from threadloader.__main__ import _folder
+
+    code, out, err = in_process(
+        capsys, str(empty_class), "--allow-empty", "--device", "cpu", "--batch-size", "2", "--size", "16"
+    )
+    assert (code, err) == (0, "") and "of 4 images at 16x16" in out
+    folder = _folder(str(empty_class), allow_empty=True)
+    assert isinstance(folder, ImageFolder)
+    assert folder.class_to_idx == {"cat": 0, "dog": 1, "eel": 2}
+    assert [(Path(path).relative_to(empty_class).as_posix(), target) for path, target in folder.samples] == [
+        ("cat/0.jpg", 0),
+        ("cat/1.jpg", 0),
+        ("eel/0.jpg", 2),
+        ("eel/1.jpg", 2),
+    ]
+    try:
+        from torchvision.datasets import ImageFolder as TorchvisionFolder
+    except ImportError:
+        return
+    theirs = TorchvisionFolder(str(empty_class), allow_empty=True)
+    assert folder.class_to_idx == theirs.class_to_idx
+    assert folder.samples == theirs.samples
+
+
+def test_help_names_allow_empty() -> None:
+    result = cli("--help")
+    assert result.returncode == 0 and "--allow-empty" in result.stdout
 
 
 def test_the_bundled_samples_run() -> None:

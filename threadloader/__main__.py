@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from . import ImageFolder, TarShards, ThreadLoader, ThreadLoaderError
+from . import _device as devices
 from ._encoded import IMAGE_EXTENSIONS
 from ._sources import Source
 from ._tar import is_shard_spec
@@ -80,6 +81,65 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """``--device``: the CPU or a CUDA device, refused here in the command's words (not the library's)."""
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _check_device(device: str | None) -> str | None:
+    """The device to pass the library: ``--device``, or the CPU where leaving it out would warn.
+
+    Raises:
+        UsageError: For a CUDA device this machine lacks, or one without nvImageCodec; the library's
+            errors say ``device='cpu'``, which the command spells ``--device cpu``.
+    """
+    if device is None:
+        if torch.cuda.is_available() and not devices._nvimgcodec_installed():
+            # The library would warn, naming device='cpu': one line in the command's words instead.
+            print(
+                f"{PROG}: note: a CUDA GPU is here, but nvImageCodec is not installed, so images are decoded "
+                f"on the CPU: pip install {_nvimgcodec_package()} to decode on the GPU; --device cpu decodes "
+                "on the CPU without this note",
+                file=sys.stderr,
+            )
+            return "cpu"
+        return None
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise UsageError(
+            f"--device {device}, but no CUDA GPU is usable here; use --device cpu (or leave --device out: "
+            "the GPU when one is usable, else the CPU)"
+        )
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise UsageError(
+            f"--device {device}, but this machine has {count} CUDA device(s): "
+            + ("cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}")
+        )
+    if not devices._nvimgcodec_installed():
+        raise UsageError(
+            f"--device {device} decodes on the GPU, which needs nvImageCodec, not installed here: "
+            f"pip install {_nvimgcodec_package()}; or use --device cpu"
+        )
+    return device
+
+
+def _nvimgcodec_package() -> str:
+    """The nvImageCodec package for torch's CUDA, as pip names it."""
+    major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+    if major in (12, 13):
+        return f"'nvidia-nvimgcodec-cu{major}[nvjpeg]' (torch's CUDA is {torch.version.cuda})"
+    return "'nvidia-nvimgcodec-cu13[nvjpeg]' for CUDA 13 or 'nvidia-nvimgcodec-cu12[nvjpeg]' for CUDA 12"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -107,17 +167,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=_positive_int, default=64, help="images per batch (default 64)")
     parser.add_argument("--size", type=_positive_int, default=224, help="output side in pixels (default 224)")
     parser.add_argument("--epochs", type=_positive_int, default=3, help="passes over the data (default 3)")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the GPU if usable)")
+    parser.add_argument(
+        "--device", type=_device, default=None, help="cuda, cuda:N or cpu (default: the GPU if usable)"
+    )
     parser.add_argument(
         "--on-error",
         choices=("raise", "skip"),
         default="raise",
         help="a bad image stops the run (raise, the default) or is left out and counted (skip)",
     )
+    parser.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="keep class folders with no images as classes without samples, as torchvision's "
+        "ImageFolder(allow_empty=True) (default: such a folder is an error, since every later class's "
+        "target would shift)",
+    )
     return parser
 
 
-def _source(sources: list[str], count: int | None) -> Source:
+def _source(sources: list[str], count: int | None, *, allow_empty: bool = False) -> Source:
     """What the command loads: the first ``count`` samples of a folder, image files or shards.
 
     Raises:
@@ -144,16 +213,20 @@ def _source(sources: list[str], count: int | None) -> Source:
             "or .tar shards"
         )
     else:
-        source = _folder(sources[0])
+        source = _folder(sources[0], allow_empty=allow_empty)
     if count is None or count >= len(source):
         return source
     return Subset(cast("Dataset[Any]", source), range(count))  # indexes any map-style source
 
 
-def _folder(path: str) -> Source:
+def _folder(path: str, *, allow_empty: bool = False) -> Source:
     """An :class:`ImageFolder` of class sub-folders, else the folder's images, else its tar shards.
 
     Images and shards are sorted by name.
+
+    Raises:
+        UsageError: For class folders without images, unless ``allow_empty``: the library's error names
+            ``ImageFolder(root, allow_empty=True)``, which the command spells ``--allow-empty``.
     """
     with os.scandir(path) as entries:
         listed = list(entries)
@@ -167,7 +240,16 @@ def _folder(path: str) -> Source:
         raise UsageError(
             f"no images ({', '.join(IMAGE_EXTENSIONS)}), class folders or .tar shards in {path!r}"
         )
-    return ImageFolder(path)
+    folder = ImageFolder(path, allow_empty=True)
+    filled = {target for _, target in folder.samples}
+    empty = [name for target, name in enumerate(folder.classes) if target not in filled]
+    if empty and not allow_empty:
+        raise UsageError(
+            f"class folders with no images ({', '.join(IMAGE_EXTENSIONS)}) in {path!r}: "
+            f"{', '.join(map(repr, empty))}; every class after one would get the wrong target: remove them, "
+            "or pass --allow-empty to keep them as classes without samples"
+        )
+    return folder
 
 
 def run(args: argparse.Namespace) -> str:
@@ -176,7 +258,9 @@ def run(args: argparse.Namespace) -> str:
     photos = None if args.source else sample_photos(args.count or 1024)
     start = time.perf_counter()
     try:
-        source = photos if photos is not None else _source(args.source, args.count)
+        source = (
+            photos if photos is not None else _source(args.source, args.count, allow_empty=args.allow_empty)
+        )
         loader = ThreadLoader(
             source,
             batch_size=args.batch_size,
@@ -184,10 +268,13 @@ def run(args: argparse.Namespace) -> str:
             seed=0,
             size=(args.size, args.size),
             dtype=torch.float32,
-            device=args.device,
+            device=_check_device(args.device),
             on_error=args.on_error,
         )
-    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as exc:
+    except ImportError as exc:  # nvImageCodec there but not importable: its advice, in the command's words
+        message = str(exc).replace("pass device='cpu'", "use --device cpu")
+        raise UsageError(f"--device {args.device or 'cuda'}: {message}") from exc
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     with loader:
         device = loader.device
