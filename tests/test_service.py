@@ -24,8 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import threadloader._runtime
+import threadloader._workers
 from threadloader import BatchDecoder, LoaderClosedError, SampleError, ThreadLoaderError
-from threadloader.decode import PillowDecoder
+from threadloader.decode import DecodedBatch, ImageDecoder, PillowDecoder
 from threadloader.service import MicroBatcher, QueueFullError
 
 from .conftest import (
@@ -1121,3 +1123,147 @@ def test_a_second_close_waits_for_the_answers_as_the_first_does() -> None:
     cancelled.close(cancel_pending=True)
     cancelled.close()  # waits for the batch under way
     assert running.result(0) == 1
+
+
+class OwnedDecoder(ImageDecoder):
+    """A decoder the service builds (and so closes): its first call blocks until ``gate`` opens; it
+    records whether ``close`` ever ran while a call was inside ``decode``."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.lock = threading.Lock()
+        self.calls = self.running = self.closes = 0
+        self.closed_under_a_call = False
+        self._inner = PillowDecoder()
+
+    def decode(self, encoded: Any, *, stream: Any, stats: Any = None, **_: Any) -> DecodedBatch:
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+            self.running += 1
+        try:
+            if first:
+                self.entered.set()
+                assert self.gate.wait(10), "the test never opened the gate"
+            return self._inner.decode(encoded, stream=stream, stats=stats)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def close(self) -> None:
+        with self.lock:
+            self.closes += 1
+            self.closed_under_a_call |= self.running > 0
+
+
+@pytest.mark.parametrize("how", ["cancel_pending", "done_callback", "ctrl_c"])
+def test_close_never_closes_the_decoder_under_a_running_call(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close that stopped waiting for a worker still in the decoder (close(cancel_pending=True)
+    after its second, a close from a done-callback, a Ctrl-C in the join) closed the decoder under the
+    call, or, after a Ctrl-C, never closed it. The last worker closes it as it leaves the call."""
+    decoder = OwnedDecoder()
+    monkeypatch.setattr(threadloader._runtime, "build_decoder", lambda *_, **__: decoder)
+    monkeypatch.setattr(threadloader._workers, "JOIN_TIMEOUT", 0.2)
+    service = BatchDecoder(device="cpu", num_threads=2, max_batch=1, max_delay_ms=0)
+    try:
+        held = service.submit(encode(photo(8, 8)))
+        assert decoder.entered.wait(5)
+        if how == "cancel_pending":
+            started = time.monotonic()
+            service.close(cancel_pending=True)
+            assert time.monotonic() - started < 5  # close has an exit while the call runs on
+        elif how == "done_callback":  # the other worker answers a request whose callback closes
+            closed = threading.Event()
+            other = service.submit(encode(photo(8, 8)))
+            other.add_done_callback(lambda _: (service.close(), closed.set()))
+            assert closed.wait(5)
+        else:
+
+            def interrupted(deadline: float) -> bool:
+                raise KeyboardInterrupt  # what the join raises after a Ctrl-C (uninterrupted)
+
+            service._group.join_by = interrupted  # type: ignore[method-assign,union-attr]
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    service.close(cancel_pending=True)
+            finally:
+                del service._group.join_by  # type: ignore[union-attr]
+        assert decoder.closes == 0  # not while the first call runs
+        decoder.gate.set()
+        assert held.result(5).shape == (3, 8, 8)
+        for thread in service.threads:
+            thread.join(5)
+        assert decoder.closes >= 1
+        assert not decoder.closed_under_a_call
+    finally:
+        decoder.gate.set()  # a failure leaves no worker blocked
+        service.close()
+
+
+def test_a_cancel_in_the_loop_step_that_hands_an_arun_its_slot_cancels_it() -> None:
+    """On 3.11 asyncio.wait_for returned normally when its task was cancelled in the step that woke it
+    (gh-86296): the cancelled arun queued its request and waited for the result."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(items: list[str]) -> list[str]:
+        entered.set()
+        gate.wait(10)
+        return items
+
+    async def main() -> None:
+        with MicroBatcher(held, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
+            try:
+                batcher.submit("running")
+                assert await asyncio.to_thread(entered.wait, 5)
+                queued = batcher.submit("queued")  # the queue is full
+                task = asyncio.ensure_future(batcher.arun("late", timeout=10))
+                await asyncio.sleep(0.1)  # waiting for room
+                queued.cancel()  # frees its slot: the waiter is woken in the next step...
+                task.cancel()  # ...which its cancel shares
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert batcher.stats().submitted == 2  # never queued
+            finally:
+                gate.set()
+
+    asyncio.run(main())
+
+
+def test_room_goes_to_the_waiters_first_come_first_served() -> None:
+    """A freed slot went to whoever ran first: a newcomer took it from an asyncio waiter woken for it,
+    which then waited behind the newcomers, again and again (some waited past their timeout under a
+    load that others were served in milliseconds). Threads and asyncio tasks now share one line."""
+    gate, entered = threading.Event(), threading.Event()
+    served: list[str] = []
+
+    def record(items: list[str]) -> list[str]:
+        entered.set()
+        gate.wait(10)
+        served.extend(items)
+        return items
+
+    async def main() -> None:
+        with MicroBatcher(record, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
+            try:
+                batcher.submit("running")
+                assert await asyncio.to_thread(entered.wait, 5)
+                queued = batcher.submit("queued")  # the queue is full
+                first = asyncio.ensure_future(batcher.arun("A"))
+                await asyncio.sleep(0.1)
+                thread = threading.Thread(target=batcher.run, args=("T",))  # a thread in line after A
+                thread.start()
+                await asyncio.sleep(0.1)
+                queued.cancel()  # a slot frees: A's...
+                newcomer = asyncio.ensure_future(batcher.arun("B"))  # ...though B arrives before A runs
+                await asyncio.sleep(0.1)
+                gate.set()
+                assert await asyncio.wait_for(asyncio.gather(first, newcomer), 5) == ["A", "B"]
+                await asyncio.to_thread(thread.join, 5)
+            finally:
+                gate.set()
+
+    asyncio.run(main())
+    assert served == ["running", "A", "T", "B"]

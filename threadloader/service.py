@@ -34,7 +34,7 @@ from ._device import parse_device, usable
 from ._options import DEFAULTS, Options
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
-from ._serving.engine import Engine, Runner, serve
+from ._serving.engine import Engine, LastOut, Runner
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue, cancel
 from ._stats import STAGES, StatsRecorder
@@ -136,10 +136,11 @@ class _Batching(Generic[T, R]):
         # The workers see the queue and the runner, never the service: dropping it runs its finalizer.
         # Interpreter exit cancels the group: queued requests are cancelled, batches being run stop at
         # their next step and fail their requests with LoaderClosedError.
+        self._last_out = LastOut(self.num_threads)  # closes the decoder once no worker is in a call
         self._group = ThreadGroup(
             name=f"threadloader-{type(self).__name__.lower()}{next(_service_numbers)}",
-            count=num_threads,
-            target=functools.partial(serve, self._queue, runner),
+            count=self.num_threads,
+            target=functools.partial(self._last_out.serve, self._queue, runner),
             wake=functools.partial(self._queue.close, cancel_pending=True),
         )
 
@@ -203,9 +204,17 @@ class _Batching(Generic[T, R]):
         """
         self._close(cancel_pending, close_deadline())
 
-    def _close(self, cancel_pending: bool, until: float) -> None:
-        """:meth:`close`, a bounded wait ending at ``until`` (``time.monotonic()``)."""
+    def _close(self, cancel_pending: bool, until: float, release: Callable[[], object] | None = None) -> None:
+        """:meth:`close`, a bounded wait ending at ``until`` (``time.monotonic()``).
+
+        ``release`` (closing the decoder) runs once no worker is in a call: here if they have all
+        left, else in the last one as it leaves, which a join that ends early (its deadline, a Ctrl-C,
+        a close from a worker) does not wait for. Left to the workers before the join, it is not lost
+        to a Ctrl-C that cuts the join short.
+        """
         self._queue.close(cancel_pending=cancel_pending)
+        if release is not None:
+            self._last_out.release(release)
         assert self._group is not None
         if threading.current_thread() in self._group.threads:
             return
@@ -406,12 +415,18 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         Args:
             cancel_pending: ``False`` (default) decodes every request already queued, then stops: close
                 returns when they are all answered. ``True`` cancels the queued requests (their futures
-                raise ``CancelledError``); the batches being decoded still complete, and the workers
-                are joined within about a second.
+                raise ``CancelledError``); the batches being decoded still complete, and close
+                returns once they have, or after about a second (``JOIN_TIMEOUT``) if one is still in
+                the decoder.
+
+        The decoder this service built is closed once no worker is in a call to it: by close, or, when
+        close stopped waiting first (that second, a Ctrl-C, a close from a done-callback, which runs in
+        a worker), by the last worker as it leaves its call. Never under a running call.
         """
         until = close_deadline()  # one bounded wait for the workers and the warm-up
-        self._close(cancel_pending, until)
-        self._runtime.close(until=until if cancel_pending else None)  # after a drain: its own second
+        # After a drain, the warm-up gets its own second.
+        release = functools.partial(self._runtime.close, until=until if cancel_pending else None)
+        self._close(cancel_pending, until, release)
 
     def _checked(self, data: Encoded) -> Encoded:
         """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""

@@ -3,7 +3,9 @@
 Every wait in it (a submitter waiting for room, a worker waiting for requests) ends when it is closed.
 A request cancelled while it waits leaves the queue at once, so its slot is free for the next caller
 (a client that went away holds no room). Waiting for room from asyncio is woken by freed slots, not
-polled.
+polled. Submitters waiting for room, threads and asyncio tasks alike, stand in one line and get slots
+first come first served: a freed slot is handed to the first in line, and a newcomer queues behind
+them (a slot taken by whoever ran first left a waiter behind newcomers, again and again).
 """
 
 from __future__ import annotations
@@ -61,15 +63,14 @@ class RequestQueue:
         # the garbage collector runs in, which may be a worker inside this lock.
         self._lock = threading.RLock()
         self._not_empty = threading.Condition(self._lock)
-        self._not_full = threading.Condition(self._lock)
         # Held by the one worker gathering a batch, so that concurrent arrivals fill its batch instead
         # of being split among idle workers; the others wait here and decode in parallel meanwhile.
         self._gathering = threading.Lock()
         self._items: collections.deque[Request] = collections.deque()
-        # asyncio submitters waiting for room, first come first woken: (their loop, their waiter).
-        self._async_waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
-            collections.deque()
-        )
+        # Submitters waiting for room, first come first served; and the slots handed to some of them
+        # that they have not taken yet, which count as taken.
+        self._line: collections.deque[_Waiter] = collections.deque()
+        self._granted = 0
         self.closed = False
         self.submitted = self.rejected = self.cancelled = 0
 
@@ -81,34 +82,48 @@ class RequestQueue:
             LoaderClosedError: If the service is closed, also while waiting.
         """
         with self._lock:
+            if self._room() or wait == 0:
+                return self._claim(None, data, stream)
             deadline = None if wait is None else time.monotonic() + wait
-            while self._full():
-                remaining = POLL if deadline is None else deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._rejection()
-                self._not_full.wait(min(remaining, POLL))
-            return self._append(data, stream)
+            ready = threading.Condition(self._lock)
+            waiter = _Waiter(ready=ready)
+            self._line.append(waiter)
+            try:
+                while not waiter.granted and not self.closed:
+                    remaining = POLL if deadline is None else deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    ready.wait(min(remaining, POLL))
+            except BaseException:  # Ctrl-C: a slot it was handed goes to the next in line
+                self._leave(waiter)
+                raise
+            return self._claim(waiter, data, stream)
 
     async def aput(self, data: Any, stream: torch.cuda.Stream | None, *, wait: float | None) -> Future[Any]:
-        """As :meth:`put`, awaiting room without blocking the event loop: woken when a slot is freed."""
+        """As :meth:`put`, awaiting room without blocking the event loop: woken when a slot is freed.
+
+        The waiter is awaited directly, its deadline a timer that completes it: ``asyncio.wait_for``
+        on Python 3.11 (gh-86296) returned normally when the task was cancelled in the loop step that
+        woke it, and the cancelled caller queued its request and waited for the result.
+        """
         loop = asyncio.get_running_loop()
-        deadline = None if wait is None else loop.time() + wait
-        while True:
-            with self._lock:
-                if not self._full():
-                    return self._append(data, stream)
-                remaining = None if deadline is None else deadline - loop.time()
-                if remaining is not None and remaining <= 0:
-                    raise self._rejection()
-                waiter: asyncio.Future[None] = loop.create_future()
-                self._async_waiters.append((loop, waiter))
-            try:
-                await asyncio.wait_for(waiter, remaining)
-            except asyncio.TimeoutError:
-                self._leave(waiter, pass_on=False)  # the next pass takes a slot freed meanwhile, or rejects
-            except BaseException:  # cancelled: a wake-up it was given goes to the next waiter
-                self._leave(waiter, pass_on=True)
-                raise
+        with self._lock:
+            if self._room() or wait == 0:
+                return self._claim(None, data, stream)
+            waiter = _Waiter(loop=loop, future=loop.create_future())
+            self._line.append(waiter)
+        assert waiter.future is not None
+        timer = None if wait is None else loop.call_later(wait, _set_done, waiter.future)
+        try:
+            await waiter.future  # handed a slot, the queue closed, or its time is up
+        except BaseException:  # cancelled: a slot it was handed goes to the next in line
+            self._leave(waiter)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        with self._lock:
+            return self._claim(waiter, data, stream)
 
     def gather(self) -> list[Request] | None:
         """Blocks for the first request, then takes more until ``max_batch`` or ``max_delay`` after it.
@@ -151,10 +166,9 @@ class RequestQueue:
                 self._items.clear()
             self.cancelled += len(dropped)
             self._not_empty.notify_all()
-            self._not_full.notify_all()
-            waiters, self._async_waiters = list(self._async_waiters), collections.deque()
-        for loop, waiter in waiters:
-            _wake(loop, waiter)
+            line, self._line = self._line, collections.deque()
+            for waiter in line:  # each finds the queue closed
+                waiter.wake()
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
             cancel(request.future)
 
@@ -168,9 +182,28 @@ class RequestQueue:
                 "cancelled": self.cancelled,
             }
 
-    def _full(self) -> bool:
-        """Whether a new request must wait; ``False`` once closed, so that it meets the closed error."""
-        return len(self._items) >= self._capacity and not self.closed
+    def _room(self) -> bool:
+        """Whether a newcomer may queue now: a free slot and nobody in line before it.
+
+        ``True`` once closed, so that it meets the closed error.
+        """
+        return self.closed or (not self._line and len(self._items) + self._granted < self._capacity)
+
+    def _claim(self, waiter: _Waiter | None, data: Any, stream: torch.cuda.Stream | None) -> Future[Any]:
+        """Queues a request where there is room for it, under the lock; else raises the rejection.
+
+        The room is a slot handed to ``waiter``, else a free one (``waiter`` leaves the line).
+        """
+        if waiter is not None:
+            if waiter.granted:
+                waiter.granted = False
+                self._granted -= 1
+                return self._append(data, stream)
+            with contextlib.suppress(ValueError):  # its time is up: it leaves the line
+                self._line.remove(waiter)
+        if self._room():
+            return self._append(data, stream)
+        raise self._rejection()
 
     def _rejection(self) -> QueueFullError:
         self.rejected += 1
@@ -216,40 +249,59 @@ class RequestQueue:
             self._freed()
 
     def _freed(self) -> None:
-        """A slot was freed (under the lock): wakes one thread and one asyncio submitter waiting for it."""
-        self._not_full.notify()
-        self._wake_async()
+        """A slot was freed (under the lock): handed to the first in line, if anyone waits for one.
 
-    def _wake_async(self) -> None:
-        while self._async_waiters:
-            loop, waiter = self._async_waiters.popleft()
-            if not waiter.done() and _wake(loop, waiter):  # a closed loop's waiter passes it on
-                return
-
-    def _leave(self, waiter: asyncio.Future[None], *, pass_on: bool) -> None:
-        """An asyncio submitter stops waiting.
-
-        With ``pass_on``, a wake-up it was sent (it is no longer listed) and will not use goes to the
-        next one.
+        A waiter that can no longer take it (its task cancelled, its loop closed) passes it on.
         """
+        while self._line and len(self._items) + self._granted < self._capacity:
+            waiter = self._line.popleft()
+            if waiter.wake():
+                waiter.granted = True
+                self._granted += 1
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """A submitter gives up waiting (cancelled, interrupted): a slot it was handed goes to the next."""
         with self._lock:
-            for entry in self._async_waiters:
-                if entry[1] is waiter:
-                    self._async_waiters.remove(entry)
-                    return
-            if pass_on:
-                self._wake_async()
+            if waiter.granted:
+                waiter.granted = False
+                self._granted -= 1
+                self._freed()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._line.remove(waiter)
+
+
+@dataclass(slots=True, eq=False)  # compared by identity: it leaves the line by itself
+class _Waiter:
+    """A submitter waiting in line for room: a thread (``ready``) or an asyncio task (``future``)."""
+
+    ready: threading.Condition | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future[None] | None = None
+    granted: bool = False  # a slot was handed to it
+
+    def wake(self) -> bool:
+        """Wakes it, under the queue's lock; ``False`` where nothing would wake.
+
+        That is a task cancelled (which may not have left the line yet) or one whose loop closed.
+        """
+        if self.ready is not None:
+            self.ready.notify()
+            return True
+        assert self.loop is not None and self.future is not None
+        return not self.future.done() and _wake(self.loop, self.future)
+
+
+def _set_done(waiter: asyncio.Future[None]) -> None:
+    """Completes an asyncio waiter (in its loop) that nothing completed or cancelled yet."""
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> bool:
     """Wakes an asyncio waiter from any thread; ``False`` where its loop has closed (nothing to wake)."""
-
-    def wake() -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
     try:
-        loop.call_soon_threadsafe(wake)
+        loop.call_soon_threadsafe(_set_done, waiter)
     except RuntimeError:
         return False
     return True
