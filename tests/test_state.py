@@ -637,3 +637,46 @@ def test_a_pass_that_handed_out_no_batch_is_no_epoch(samples: list[tuple[bytes, 
         dropped = iter(loader)
         del dropped
         assert_same(take(loader), expected[1][3:])
+
+
+def test_set_epoch_after_a_dropped_pass_keeps_a_loaded_position(samples: list[tuple[bytes, int]]) -> None:
+    """Load a position, a framework's dropped iter(), then the loop's set_epoch(e) of that epoch: the
+    epoch restarted from its first batch, though state_dict() still said the position."""
+    expected = uninterrupted(samples, 1)
+    with make(samples) as loader:
+        loader.load_state_dict(round_trip({**loader.state_dict(), "epoch": 0, "batches": 3}))
+        dropped = iter(loader)
+        del dropped
+        loader.set_epoch(0)
+        assert_same(take(loader), expected[0][3:])
+
+
+def test_a_pass_whose_first_batch_raises_is_an_epoch(samples: list[tuple[bytes, int]]) -> None:
+    """A SampleError in a pass's first batch made it no epoch: a loop that catches the error and goes on
+    ran that epoch again and again (its order, its failure), where DataLoader's next pass is the next
+    epoch, as it is here when the error comes in a later batch."""
+    broken = [(b"not an image", 0), *samples[1:]]
+    with make(broken, shuffle=False) as loader:
+        for epoch in range(3):
+            iterator = iter(loader)
+            with pytest.raises(SampleError):  # sample 0 is in every epoch's first batch
+                next(iterator)
+            assert loader.state_dict()["epoch"] == epoch  # the pass that raised: epoch 0, then 1, 2
+            assert take(iterator) == []  # it ended there
+
+
+def test_a_padded_shards_repeated_sample_draws_another_crop_than_on_its_first_rank(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """Padding a shard repeats the order's start on another rank: counted on each rank alone, the copy
+    was every sample's first time, so both ranks trained on the very same crop of it."""
+    options: dict[str, Any] = {"shuffle": False, "batch_size": 12, "world_size": 2}
+    with make(samples, rank=0, **options) as rank0, make(samples, rank=1, **options) as rank1:
+        first, padded = take(rank0)[0], take(rank1)[-1]
+    assert first[1][0] == 0 and padded[1][-1] == 0  # N = 23: sample 0 pads rank 1's shard
+    # The reference: one loader given sample 0 twice (its second time), and once.
+    with make(samples, shuffle=False, sampler=[0, 0], batch_size=2) as twice:
+        ((copies, _),) = take(twice)
+    assert torch.equal(first[0][0], copies[0])  # its first time keeps its crop
+    assert torch.equal(padded[0][-1], copies[1])  # the padding is its second time
+    assert not torch.equal(padded[0][-1], first[0][0])

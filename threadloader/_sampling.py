@@ -12,7 +12,7 @@ import array
 import numbers
 import operator
 from collections.abc import Iterable, Iterator, Sized
-from itertools import chain, islice
+from itertools import chain, count, islice
 from typing import Any
 
 import torch
@@ -26,8 +26,10 @@ class PlannedBatch(list[int]):
     """A batch's indices, and for each how many times its epoch gave that sample before (0: the first).
 
     A sample a sampler repeats in an epoch (``WeightedRandomSampler(replacement=True)`` oversampling a
-    class, or ``DistributedSampler``'s padding) draws its random transform once per time it comes, not
-    the same crop every time: the repeat is part of its parameters' key.
+    class) draws its random transform once per time it comes, not the same crop every time: the repeat
+    is part of its parameters' key. The loader's own shards count their padding over every rank's
+    part (the padded copy is on another rank than the first); a user's sampler is counted as this
+    rank sees it.
     """
 
     __slots__ = ("repeats",)
@@ -168,8 +170,16 @@ class BatchPlan:
             yield from _with_repeats(chunks, self._num_samples)
         else:
             batches = _chunked(self._indices(epoch), self._batch_size, drop_last=self._drop_last)
-            padded = self._world_size > 1 and not self._drop_last
-            yield from _with_repeats(batches, self._num_samples) if padded else batches
+            if self._world_size > 1 and not self._drop_last:
+                # The padding repeats the order from its start, and a padded copy lands on another
+                # rank than its first time (counted on this rank alone, it never repeats): the sample
+                # at position q of the padded order comes for the (q // num_samples + 1)-th time.
+                positions = count(self._rank, self._world_size)
+                batches = (
+                    PlannedBatch(batch, [next(positions) // self._num_samples for _ in batch])
+                    for batch in batches
+                )
+            yield from batches
 
     def _indices(self, epoch: int) -> list[int]:
         if self._shuffle:

@@ -342,6 +342,11 @@ class ThreadLoader:
             raise ValueError(f"set_epoch takes an epoch, an int from 0 up, got {epoch!r}")
         epoch = number
         with self._lock:
+            latest = self._progress
+            if not self._epoch_given and latest is not None and latest.handed_none():
+                # A pass dropped before its first batch (a framework's check) was no epoch: where it
+                # would have started is where the next one starts, a loaded position included.
+                self._next_epoch, self._resume = latest.epoch, latest.start
             if self._resume and epoch != self._next_epoch:
                 logger.warning(
                     "set_epoch(%d) replaces the position loaded by load_state_dict (epoch %d after %d "
@@ -543,7 +548,11 @@ class _EpochIterator:
             self._progress.finish()
             self.close()
             raise
-        except BaseException:
+        except Exception:  # a SampleError in its first batch: a loop that goes on runs the next epoch
+            self._progress.raised = True
+            self.close()
+            raise
+        except BaseException:  # a Ctrl-C while waiting: no batch, no epoch
             self.close()
             raise
         batch.ready.receive()
@@ -614,6 +623,7 @@ class _Progress:
         self.consumed = start
         self.total: int | None = None
         self.finished = False
+        self.raised = False  # a next() raised an error: the pass ran, as DataLoader's would have
 
     def count(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
         """Passes the epoch's batches (from its first) through, noting how many it has once they run out."""
@@ -624,8 +634,8 @@ class _Progress:
         self.total = total
 
     def handed_none(self) -> bool:
-        """Whether the pass has handed out no batch and not ended (an ``iter()`` that nobody ran)."""
-        return not self.finished and self.consumed == self.start
+        """Whether the pass handed out no batch, raised nothing and has not ended: an unrun ``iter()``."""
+        return not self.finished and not self.raised and self.consumed == self.start
 
     def finish(self) -> None:
         """Called when the iterator stops: the epoch ended if every planned batch was consumed."""
