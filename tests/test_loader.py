@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import pickle
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from torch.utils.data import (
     IterableDataset,
     SequentialSampler,
     SubsetRandomSampler,
+    default_collate,
 )
 
 from threadloader import (
@@ -38,6 +41,7 @@ from threadloader import (
     ThreadLoaderError,
     _workers,
 )
+from threadloader._pipeline import Batch
 from threadloader.decode import PillowDecoder
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 
@@ -708,6 +712,116 @@ def test_objects_are_passed_through_not_copied(blobs: list[bytes]) -> None:
     boxes = [Box(i) for i in range(4)]
     ((_, targets),) = list(ThreadLoader([(blobs[i], boxes[i]) for i in range(4)], batch_size=4))
     assert all(a is b for a, b in zip(targets, boxes, strict=True))
+
+
+MIXED_TARGETS = {
+    "dicts without the first one's keys": [{"label": 0, "difficult": True}, {"label": 1}],
+    "an int too large for a tensor": [2**70, 1],
+    "an int and a string": [0, "s"],
+    "an int and None": [0, None],
+    "tensors of different shapes": [torch.zeros(2), torch.zeros(3)],
+    "dicts of tensors": [{"a": torch.ones(2), "b": 0}, {"a": torch.zeros(2), "b": 1}],
+    "strings": ["a", "b"],
+    "pairs": [(0, "a"), (1, "b")],
+}
+
+
+def _same(actual: Any, expected: Any) -> bool:
+    if isinstance(expected, torch.Tensor):
+        return (
+            isinstance(actual, torch.Tensor)
+            and actual.dtype == expected.dtype
+            and torch.equal(actual, expected)
+        )
+    if isinstance(expected, dict):
+        return (
+            isinstance(actual, dict)
+            and actual.keys() == expected.keys()
+            and all(_same(actual[k], expected[k]) for k in expected)
+        )
+    if isinstance(expected, (list, tuple)):
+        return (
+            type(actual) is type(expected)
+            and len(actual) == len(expected)
+            and all(map(_same, actual, expected))
+        )
+    return actual is expected or actual == expected
+
+
+@pytest.mark.parametrize("kind", list(MIXED_TARGETS))
+def test_targets_are_default_collates_or_the_list_where_it_cannot(blobs: list[bytes], kind: str) -> None:
+    """Dicts without the first one's keys (KeyError) and huge ints (ValueError) failed the whole group
+    with default_collate's bare exception instead of staying a list, as the docs promise."""
+    targets = MIXED_TARGETS[kind]
+    try:
+        expected = default_collate(targets)
+    except Exception:  # what default_collate cannot take: the targets as they are
+        expected = list(targets)
+    source = [(blobs[i], target) for i, target in enumerate(targets)]
+    ((_, collated),) = list(ThreadLoader(source, batch_size=len(targets), device="cpu"))
+    assert _same(collated, expected), (collated, expected)
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA and notes the streams it is recorded for."""
+
+    is_cuda = True  # type: ignore[assignment]
+
+    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+        self.__dict__.setdefault("recorded", []).append(stream)
+
+
+def test_cuda_tensors_in_targets_are_handed_over_as_the_images_are(
+    blobs: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collate_fn's CUDA targets (made on the reader's stream) were never record_stream'ed for the
+    consumer's stream: freed there, their memory went back to the reader while the consumer still read it."""
+    from threadloader._handoff import ReaderStream
+    from threadloader._output import OutputFormat
+    from threadloader._pipeline import BatchProducer
+    from threadloader._stats import StatsRecorder
+
+    class Event:
+        def record(self, stream: object) -> None:
+            self.stream = stream
+
+    class Reader(ReaderStream):  # a stream without a GPU: seal records its event, nothing is made current
+        @contextlib.contextmanager
+        def active(self) -> Iterator[None]:
+            yield None
+
+    class Consumer:
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
+
+    def to_cuda(targets: list[int]) -> dict[str, Any]:
+        return {
+            "label": torch.tensor(targets).as_subclass(_FakeCuda),
+            "boxes": [(torch.zeros(2).as_subclass(_FakeCuda), f"t{t}") for t in targets],
+            "name": "batch",
+        }
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    reader = Reader(torch.device("cpu"))
+    reader.stream = "reader stream"  # type: ignore[assignment]
+    producer = BatchProducer(
+        source=[(blobs[i], i) for i in range(3)],
+        decoder=PillowDecoder(),
+        output=OutputFormat(size=(H, W)),
+        on_error="raise",
+        stats=StatsRecorder(),
+        collate=to_cuda,
+    )
+    (batch,) = producer.produce([[0, 1, 2]], reader)
+    consumer = Consumer()
+    assert isinstance(batch, Batch)
+    batch.ready.receive(stream=consumer)  # type: ignore[arg-type]
+    assert consumer.waited == [batch.ready.event] and batch.ready.event.stream == "reader stream"
+    tensors = [batch.targets["label"], *(box for box, _ in batch.targets["boxes"])]
+    assert [tensor.__dict__.get("recorded") for tensor in tensors] == [[consumer]] * 4
 
 
 def _detections(blobs: list[bytes], count: int) -> list[tuple[bytes, dict]]:

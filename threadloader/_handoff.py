@@ -15,9 +15,10 @@ preempt running kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,13 +49,17 @@ class ReaderStream:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield self.stream
 
-    def seal(self, tensors: list[torch.Tensor]) -> Ready:
-        """Marks the end of the work producing ``tensors`` on this stream."""
+    def seal(self, tensors: list[torch.Tensor], targets: Any = None) -> Ready:
+        """Marks the end of the work producing ``tensors`` (and ``targets``) on this stream.
+
+        ``targets`` may hold CUDA tensors (a ``collate_fn`` that moves them, a source's CUDA targets
+        stacked here): those, in dicts, lists and tuples too, are handed over as ``tensors`` are.
+        """
         if self.stream is None:
             return Ready(tensors, None)
         event = torch.cuda.Event()
         event.record(self.stream)
-        return Ready(tensors, event)
+        return Ready([*tensors, *_cuda_tensors_in(targets)], event)
 
 
 @dataclass
@@ -77,3 +82,14 @@ class Ready:
         for tensor in self.tensors:
             if tensor.is_cuda:
                 tensor.record_stream(stream)
+
+
+def _cuda_tensors_in(data: Any) -> list[torch.Tensor]:
+    """The CUDA tensors in ``data``: itself, or in its mappings, lists and tuples, at any depth."""
+    if isinstance(data, torch.Tensor):
+        return [data] if data.is_cuda else []
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    elif not isinstance(data, (list, tuple)):
+        return []
+    return [tensor for item in data for tensor in _cuda_tensors_in(item)]

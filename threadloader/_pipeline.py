@@ -198,12 +198,14 @@ class BatchProducer:
                     if formatted is None
                     else _own_rows(formatted, first, last)
                 )
+                # Collated before the seal: a collate_fn's CUDA tensors are made on this stream too.
+                targets = self._collate([group.refs[p][2] for p in kept])
                 outcomes.append(
                     Batch(
                         images=images,
-                        targets=self._collate([group.refs[p][2] for p in kept]),
+                        targets=targets,
                         indices=[group.refs[p][0] for p in kept],
-                        ready=reader.seal(images if isinstance(images, list) else [images]),
+                        ready=reader.seal(images if isinstance(images, list) else [images], targets),
                     )
                 )
             first = last
@@ -387,11 +389,12 @@ def collate_targets(targets: list[Any]) -> Any:
     """Collates targets like ``default_collate``; ``None`` when the source has none; a list otherwise.
 
     Ints become a ``LongTensor``, tensors are stacked, and what ``default_collate`` cannot handle stays
-    a plain list.
+    a plain list: types it refuses (``TypeError``), tensors of different shapes (``RuntimeError``), dicts
+    without the first one's keys (``KeyError``), ints too large for a tensor (``ValueError``).
     """
     if all(target is None for target in targets):
         return None
     try:
         return default_collate(targets)
-    except (TypeError, RuntimeError):
+    except (TypeError, RuntimeError, KeyError, ValueError):
         return list(targets)

@@ -28,11 +28,16 @@ class LoaderStats:
     Stage times are host wall-clock seconds summed over all threads (so they can exceed elapsed time);
     GPU work is asynchronous and shows up where the host waits for it, not where it was queued.
 
+    ``batches`` and ``samples`` count what the consumer received. Everything else counts the reader
+    threads' work as it is done, so it includes batches made ahead (``prefetch``) that a loop which
+    stops early never receives: ``skipped``, ``errors``, ``cpu_fallbacks``, ``started_on_cpu``,
+    ``region_decodes`` and the stage times (``wait`` aside, the consumer's own).
+
     Attributes:
         batches: Batches handed to the consumer.
         samples: Samples in those batches.
         skipped: Samples dropped by ``on_error="skip"``, counted when their batch is made: a loop
-            that stops early may count some of batches it never received (prefetched), and a resumed
+            that stops early may count those of batches it never received (prefetched), and a resumed
             pass those of its first group's batches it skips.
         errors: Sample errors seen (raised or skipped), counted as ``skipped`` is.
         cpu_fallbacks: Samples the GPU decoder gave up on that were decoded on the CPU instead.

@@ -135,8 +135,11 @@ class ThreadLoader:
         transform: A transform or a list of them (``threadloader.transforms``: Resize, CenterCrop,
             RandomResizedCrop, RandomHorizontalFlip, Normalize, ToDtype), applied to each image after
             decoding, on the reader's stream. Random parameters are a function of (seed, epoch, sample
-            index): the same on every run and thread count. With a fixed output size (a crop, a
-            resize to (H, W)) and ``size=None``, batches are stacked at that size.
+            index, and which time in the epoch the sampler gives it): the same on every run and thread
+            count. With a fixed output size (a crop, a resize to (H, W)) and ``size=None``, batches
+            are stacked at that size. What a transform raises is no sample error (``on_error`` does
+            not apply): it is raised in the loop as ``collate_fn``'s is, at the first batch of its
+            decode group.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
             error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
         region_decode: On a GPU, decode only the region a leading random crop keeps (checked once
