@@ -88,16 +88,19 @@ class RequestQueue:
             ready = threading.Condition(self._lock)
             waiter = _Waiter(ready=ready)
             self._line.append(waiter)
+            # The claim inside too: a Ctrl-C landing between the wait's end and the claim (the call's
+            # first step) left a slot handed to it taken for good, and a full queue's later callers
+            # waited forever.
             try:
                 while not waiter.granted and not self.closed:
                     remaining = POLL if deadline is None else deadline - time.monotonic()
                     if remaining <= 0:
                         break
                     ready.wait(min(remaining, POLL))
+                return self._claim(waiter, data, stream)
             except BaseException:  # Ctrl-C: a slot it was handed goes to the next in line
                 self._leave(waiter)
                 raise
-            return self._claim(waiter, data, stream)
 
     async def aput(self, data: Any, stream: torch.cuda.Stream | None, *, wait: float | None) -> Future[Any]:
         """As :meth:`put`, awaiting room without blocking the event loop: woken when a slot is freed.
@@ -116,14 +119,14 @@ class RequestQueue:
         timer = None if wait is None else loop.call_later(wait, _set_done, waiter.future)
         try:
             await waiter.future  # handed a slot, the queue closed, or its time is up
+            with self._lock:  # inside: a Ctrl-C before the claim passes the slot on, as in put
+                return self._claim(waiter, data, stream)
         except BaseException:  # cancelled: a slot it was handed goes to the next in line
             self._leave(waiter)
             raise
         finally:
             if timer is not None:
                 timer.cancel()
-        with self._lock:
-            return self._claim(waiter, data, stream)
 
     def gather(self) -> list[Request] | None:
         """Blocks for the first request, then takes more until ``max_batch`` or ``max_delay`` after it.
@@ -265,10 +268,11 @@ class RequestQueue:
             if waiter.granted:
                 waiter.granted = False
                 self._granted -= 1
-                self._freed()
             else:
                 with contextlib.suppress(ValueError):
                     self._line.remove(waiter)
+            # Also where it held none: a Ctrl-C inside its claim may have let go of its slot unqueued.
+            self._freed()
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: it leaves the line by itself
