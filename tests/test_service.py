@@ -1398,3 +1398,18 @@ def test_an_interrupt_inside_a_claim_hands_the_slot_to_the_next_in_line(
             assert outcomes["second"].result(5) == "second"
         finally:
             gate.set()
+
+
+def test_a_service_whose_workers_cannot_start_closes_its_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BatchDecoder whose threads failed to start ("can't start new thread", the interpreter exiting,
+    a Ctrl-C) raised, leaving the decoder built for it (and on a GPU its warm-up threads) to nobody."""
+    decoder = OwnedDecoder()
+    monkeypatch.setattr(threadloader._runtime, "build_decoder", lambda *_, **__: decoder)
+
+    def no_threads(**_: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threadloader.service, "ThreadGroup", no_threads)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        BatchDecoder(device="cpu", num_threads=2, max_batch=1, max_delay_ms=0)
+    assert decoder.closes == 1

@@ -331,16 +331,20 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         self._runtime = runtime = Runtime(options, batch_size=max_batch, decode_batch_size=max_batch)
         self._pipeline_stats = StatsRecorder()
         metrics = Metrics()
-        self._start(
-            Engine(runtime=runtime, pipeline_stats=self._pipeline_stats, metrics=metrics),
-            metrics=metrics,
-            device=runtime.device,
-            num_threads=runtime.num_threads,
-            max_batch=max_batch,
-            max_delay_ms=max_delay_ms,
-            max_queue=max_queue,
-            when_full=when_full,
-        )
+        try:
+            self._start(
+                Engine(runtime=runtime, pipeline_stats=self._pipeline_stats, metrics=metrics),
+                metrics=metrics,
+                device=runtime.device,
+                num_threads=runtime.num_threads,
+                max_batch=max_batch,
+                max_delay_ms=max_delay_ms,
+                max_queue=max_queue,
+                when_full=when_full,
+            )
+        except BaseException:  # no thread to start, the interpreter exiting, a Ctrl-C: nobody would
+            runtime.close()  # close the warm-up and the decoder built for this service
+            raise
 
     def submit(self, data: Encoded, *, timeout: float | None = None) -> Future[torch.Tensor]:
         """Queues one encoded image; the future's result is its ``(3, H, W)`` tensor.
