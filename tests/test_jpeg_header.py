@@ -129,6 +129,47 @@ def test_regions_are_asked_for_in_the_displayed_frame(orientation: int) -> None:
     assert _region((0, 30), 0, region_of) is None  # a header without a height: nothing to draw from
 
 
+@pytest.mark.parametrize(
+    "region",
+    [(-1, 0, 5, 5), (0, -2, 5, 5), (16, 0, 5, 5), (0, 26, 5, 5), (0, 0, 21, 5), (0, 0, 5, 31), (2, 2, 0, 5)],
+    ids=["above", "left", "below", "right", "taller", "wider", "empty"],
+)
+def test_a_region_not_inside_the_image_is_decoded_whole(region: tuple[int, int, int, int]) -> None:
+    """nvImageCodec takes such a region and its decoders give it up (libjpeg-turbo's, through the C API):
+    each then counted as a region that failed where its whole image decoded, and 8 of them in a call
+    turned region decoding off on the device. Decoded whole, the pipeline crops it as on the CPU."""
+    from threadloader.decode.nvimgcodec._parse import _region
+
+    assert _region((20, 30), 0, lambda position, size: region) is None
+    assert _region((20, 30), 0, lambda position, size: (15, 25, 5, 5)) == (15, 25, 5, 5)  # the corner
+
+
+def test_a_header_without_a_size_goes_to_pillow_alone() -> None:
+    """A JPEG whose frame header gives height 0 (the height in a DNL marker after the scan): its
+    memory of no pixels failed the C API's bind, and with it the whole call, so every image of it went
+    to Pillow and the configuration counted as failing. Now only that image does."""
+    import struct
+
+    from threadloader.decode.nvimgcodec import _capi
+    from threadloader.decode.nvimgcodec._engines import CApiEngine
+    from threadloader.decode.nvimgcodec._parse import parse
+
+    try:
+        engine = CApiEngine(_capi.load())
+    except _capi.Unsupported as exc:
+        pytest.skip(f"nvImageCodec 0.9's C API is not usable here: {exc}")
+    dnl = bytearray(encode(photo(16, 24, 3)))
+    at = 2
+    while dnl[at + 1] not in (0xC0, 0xC1, 0xC2):  # to the start of frame
+        at += 2 + struct.unpack(">H", dnl[at + 2 : at + 4])[0]
+    struct.pack_into(">H", dnl, at + 5, 0)
+    encoded = [encode(photo(16, 24, 1)), bytes(dnl), encode(photo(20, 20, 2))]
+    assert engine.parse(encoded).headers.heights == [16, 0, 20]  # nvImageCodec's header, as it is
+    parsed = parse(engine, encoded, max_pixels=None, region_of=None)
+    assert parsed.shapes == {0: (16, 24), 2: (20, 20)}
+    assert list(parsed.to_cpu) == [1] and "no size" in parsed.to_cpu[1]
+
+
 def test_end_marker_is_looked_for_in_the_tail_only() -> None:
     data = encode(photo(40, 60, 9), quality=90)
     whole = (data, memoryview(data), bytearray(data), data + b"motion photo", memoryview(data + b"x"))

@@ -161,6 +161,28 @@ def test_while_the_consumer_is_ahead_every_call_goes_to_the_settled_configuratio
     assert _run(pace, clock, speeds, 100).count("engine") >= 95
 
 
+def test_a_settled_configuration_that_fails_keeps_the_calls_only_once_tried_again() -> None:
+    """The settled configuration's Decoder fails every call (its images go to Pillow): while it is the
+    one named for a busy GPU, calls went there still, every one of them, until the consumer fell
+    behind. A failure keeps it out until it is tried again, as it does for a choice by pace."""
+    clock = Clock()
+    pace = Pace(["engine", "cuda"], settled="cuda", retry_after=1.0, clock=clock)
+    _run(pace, clock, {"engine": 0.00005, "cuda": 0.0001}, 4)
+    pace.settle(True)
+    used = []
+    for _ in range(50):  # 0.15 s of calls: within the retry time
+        turn = pace.choose()
+        used.append(turn.arm)
+        pace.record(turn, 0 if turn.arm == "cuda" else 64, 0.003)
+        clock.now += 0.003
+    assert used[0] == "cuda" and used[1:] == ["engine"] * 49
+    clock.now += 1.5
+    turn = pace.choose()
+    assert turn.arm == "cuda"  # tried again once its failure is old
+    pace.record(turn, 64, 0.006)
+    assert [pace.choose().arm for _ in range(3)] == ["cuda"] * 3  # and settled on, now it works
+
+
 def test_a_settled_configuration_must_be_one_of_them() -> None:
     with pytest.raises(
         ValueError, match=r"settled must be one of \('engine', 'cuda'\) or None, got 'hybrid'"

@@ -98,10 +98,11 @@ class Pace:
         calls under way there.
         """
         with self._lock:
-            if self._settled and self._settled_arm is not None:
-                self._under_way[self._settled_arm] += 1
-                return Turn(self._settled_arm, self._under_way[self._settled_arm])
             now = self._clock()
+            arm = self._settled_arm
+            if self._settled and arm is not None and not self._failed(arm, now):
+                self._under_way[arm] += 1
+                return Turn(arm, self._under_way[arm])
             for arm in self.arms:
                 stale = now - self._measured.get(arm, -float("inf")) > self._retry_after
                 if stale and arm not in self._trying:
@@ -135,7 +136,10 @@ class Pace:
             self._measured[arm] = now
 
     def settle(self, consumer_ahead: bool) -> None:
-        """Says whether the consumer is the slower side: while it is, calls go to the settled arm."""
+        """Says whether the consumer is the slower side: while it is, calls go to the settled arm.
+
+        Unless its last call failed: then they are chosen by pace until it is tried again.
+        """
         with self._lock:
             self._settled = consumer_ahead
 
@@ -143,6 +147,11 @@ class Pace:
         """Ends ``turn`` without a measurement (its call was cancelled, or found no Decoder)."""
         with self._lock:
             self._end(turn)
+
+    def _failed(self, arm: str, now: float) -> bool:
+        """Whether ``arm``'s last call failed, and not long ago (it is not tried again yet)."""
+        fresh = now - self._measured.get(arm, -float("inf")) <= self._retry_after
+        return fresh and self._seconds.get(arm) == float("inf")
 
     def _end(self, turn: Turn) -> None:
         if turn.trying:

@@ -98,6 +98,8 @@ def _cpu_reason(headers: Headers, position: int, data: Encoded) -> str | None:
     its end marker, and the other formats as 8-bit RGB. Alpha, palettes and 16-bit samples go to
     Pillow, which gives them the documented contract (alpha dropped, high byte kept).
     """
+    if min(headers.heights[position], headers.widths[position]) < 1:  # a bind of no pixels fails the call
+        return "the header declares no size (a JPEG whose height comes after its scan, in a DNL marker?)"
     codec = headers.codecs[position]
     if codec not in _GPU_FORMATS:
         return f"{codec or 'this'} format is not decoded on the GPU"
@@ -120,9 +122,15 @@ def _region(shown: tuple[int, int], position: int, region_of: RegionOf) -> Regio
     """The part of an image displayed as ``shown`` to decode: ``region_of``'s answer, unless the whole.
 
     Asked with the size as displayed: nvImageCodec crops after applying EXIF orientation (measured for
-    every orientation), so a region is in the displayed frame.
+    every orientation), so a region is in the displayed frame. A region not inside the image is not
+    decoded as one: the whole image is, and cropped after as on the CPU.
     """
     if min(shown) < 1:  # a header without a height (DNL): no size to draw a crop from
         return None
     region = region_of(position, shown)
-    return None if region == (0, 0, *shown) else region
+    if region is None or region == (0, 0, *shown):
+        return None
+    top, left, height, width = region
+    if min(top, left) < 0 or min(height, width) < 1 or top + height > shown[0] or left + width > shown[1]:
+        return None  # not inside the image: the decoders give it up, which would count against regions
+    return region
