@@ -436,3 +436,43 @@ def test_a_close_meanwhile_in_another_thread_waits_with_the_first(tmp_path: Path
         first.join(5)
     finally:
         warming.gate.set()
+
+
+class _LockedStart(_StuckDecoder):
+    """A built decoder whose close waits for a call in progress, as the GPU decoder's waits for its start
+    (nvImageCodec's load and self-test, seconds): it records whether it was closed under a call."""
+
+    def __init__(self) -> None:
+        super().__init__(warms_up=True)
+        self.lock = threading.Lock()
+        self.closed_by: list[str] = []
+
+    def decode(self, encoded, **options):  # type: ignore[no-untyped-def]
+        with self.lock:
+            return super().decode(encoded, **options)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed_by.append(threading.current_thread().name)
+
+
+def test_the_built_decoder_is_closed_after_a_warm_up_call_that_outlives_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() closed the decoder under the warm-up's call: the GPU decoder's close waited for
+    nvImageCodec's start, so close() took seconds past its second. The warm-up's thread closes it."""
+    built = _LockedStart()
+    monkeypatch.setattr(_runtime, "build_decoder", lambda *_args, **_kwargs: built)
+    loader = ThreadLoader(folder(tmp_path), batch_size=3, device="cpu")
+    assert built.entered.wait(5)
+    try:
+        assert 0.8 < _timed(loader.close) < 1.6
+        assert built.closed_by == []  # not under the call still running
+    finally:
+        built.gate.set()
+    deadline = time.monotonic() + 5
+    while not built.closed_by and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert built.closed_by == ["threadloader-warmup-0"]
+    loader.close()  # again, once the warm-up has ended: closed here (a decoder's close is idempotent)
+    assert built.closed_by == ["threadloader-warmup-0", "MainThread"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -159,10 +159,20 @@ class Runtime:
     def close(self, *, until: float | None = None) -> None:
         """Stops the warm-up, and lets the decoder built here go (its Decoders' memory). Idempotent.
 
+        The decoder is closed once no warm-up thread is in a call to it: here, or by the last of them as
+        it ends, when one is still in a step past the deadline (nvImageCodec's start).
+
         ``until``: the deadline of the wait for the warm-up's threads (see :meth:`Warmup.close`).
         """
-        steps = [functools.partial(self._warmup.close, until=until)] if self._warmup is not None else []
-        uninterrupted(*steps, *([self.decoder.close] if self._built else []))  # a Ctrl-C skips neither
+        warmup = self._warmup
+        steps: list[Callable[[], object]] = []
+        if warmup is not None:
+            steps.append(functools.partial(warmup.close, until=until))
+        if self._built:  # not under a warm-up call still running past the deadline: its thread closes it
+            steps.append(
+                self.decoder.close if warmup is None else functools.partial(warmup.then, self.decoder.close)
+            )
+        uninterrupted(*steps)  # a Ctrl-C skips none
 
 
 def build_decoder(options: Options, device: torch.device, *, threads: int, batch: int) -> ImageDecoder:

@@ -77,6 +77,7 @@ class Warmup:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._deadline: float | None = None  # the first close's: every close waits until it
+        self._then: Callable[[], object] | None = None  # run by the last thread to end (see then())
         self._batches = threads
         self._prepare = prepare
         self._running = threads + (prepare is not None)
@@ -106,8 +107,12 @@ class Warmup:
         finally:
             with self._lock:
                 self._running -= 1
+                then = None
                 if not self._running:
                     self._done.set()
+                    then, self._then = self._then, None
+            if then is not None:
+                _logged(then)
 
     @property
     def done(self) -> bool:
@@ -139,6 +144,26 @@ class Warmup:
             deadline = self._deadline
         self._group.cancel()
         self._group.join_by(deadline)
+
+    def then(self, step: Callable[[], object]) -> None:
+        """Runs ``step`` once no warm-up thread is in a call any more: now, or by the last as it ends.
+
+        For closing the decoder, which must not run under the warm-up's call: the GPU decoder's close
+        waited for nvImageCodec's start (seconds), past the close's deadline.
+        """
+        with self._lock:
+            if self._running:
+                self._then = step
+                return
+        step()
+
+
+def _logged(step: Callable[[], object]) -> None:
+    """Runs a step left to a warm-up thread; a failure is logged (no owner is there to raise it to)."""
+    try:
+        step()
+    except BaseException:
+        logger.exception("threadloader: closing the decoder after the background warm-up failed")
 
 
 def _ignore(_error: SampleError) -> None:
