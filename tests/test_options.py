@@ -159,3 +159,22 @@ def test_a_normalize_before_any_float_conversion_is_refused_when_built() -> None
         Options(transform=[Resize((8, 8)), Normalize((0.5,) * 3, (0.2,) * 3)], dtype=torch.float32)
     floats = [ToDtype(torch.float32, scale=True), Normalize((0.5,) * 3, (0.2,) * 3)]
     assert Options(transform=floats, dtype=torch.float32).chain is not None
+
+
+def test_a_device_index_is_a_cuda_devices_and_one_torch_would_wrap_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``device=0`` (an int, numpy's too) said "device must be 'cpu', 'cuda', 'cuda:N' or None" on a
+    machine without a GPU; ``'cuda:257'`` was cuda:1 (torch keeps an index's low 8 bits), another GPU."""
+    import numpy as np
+
+    from threadloader import _device
+
+    for index in (1, np.int64(1), torch.device("cuda", 1), "cuda:1"):
+        assert _device.parse_device(index) == torch.device("cuda", 1)  # type: ignore[arg-type]
+    for wrapped in ("cuda:257", "cuda:128", 257, np.int32(300)):
+        with pytest.raises(ValueError, match=r"names a CUDA device index that torch cannot hold"):
+            _device.parse_device(wrapped)  # type: ignore[arg-type]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"device='cuda:0' but no CUDA GPU is usable here"):
+        _device.resolve_device(0)

@@ -7,6 +7,7 @@ usable (a CUDA device and nvImageCodec), else the CPU with Pillow.
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import os
 import sys
 import warnings
@@ -34,11 +35,25 @@ def parse_device(device: str | torch.device | int) -> torch.device:
     """The CPU or a CUDA device, as ``device`` names it; a ValueError that names the argument otherwise.
 
     ``'cpu:0'`` is the one CPU device: it comes back as ``cpu``, which a decoder's device must match.
+    An int (numpy's too) is a CUDA device's index, as ``torch.device(0)`` is on a CUDA machine; on one
+    without, torch refused it with "Cannot access accelerator device" and this said ints are not taken.
     """
+    integer = isinstance(device, numbers.Integral) and not isinstance(device, bool)
     try:
-        parsed = torch.device(device)
+        parsed = torch.device("cuda", int(device)) if integer else torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r} ({exc})") from exc
+    # torch keeps an index's low 8 bits: 'cuda:257' was cuda:1, another GPU than the one asked for.
+    if integer:
+        given: int | None = int(device)  # type: ignore[arg-type]
+    elif isinstance(device, str) and device.rpartition(":")[2].isdigit():
+        given = int(device.rpartition(":")[2])
+    else:
+        given = None  # a torch.device holds what torch holds
+    if given is not None and parsed.index is not None and given != parsed.index:
+        raise ValueError(
+            f"device={device!r} names a CUDA device index that torch cannot hold (it read {parsed})"
+        )
     if parsed.type == "cpu":
         return torch.device("cpu")
     if parsed.type != "cuda":
