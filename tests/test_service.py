@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1203,15 +1203,22 @@ def test_close_never_closes_the_decoder_under_a_running_call(
         service.close()
 
 
-def test_a_cancel_in_the_loop_step_that_hands_an_arun_its_slot_cancels_it() -> None:
-    """On 3.11 asyncio.wait_for returned normally when its task was cancelled in the step that woke it
-    (gh-86296): the cancelled arun queued its request and waited for the result."""
+def _held() -> tuple[Callable[[list[str]], list[str]], threading.Event, threading.Event]:
+    """A MicroBatcher function that says when it is entered and holds its call until the gate opens."""
     gate, entered = threading.Event(), threading.Event()
 
     def held(items: list[str]) -> list[str]:
         entered.set()
         gate.wait(10)
         return items
+
+    return held, gate, entered
+
+
+def test_a_cancel_in_the_loop_step_that_hands_an_arun_its_slot_cancels_it() -> None:
+    """On 3.11 asyncio.wait_for returned normally when its task was cancelled in the step that woke it
+    (gh-86296): the cancelled arun queued its request and waited for the result."""
+    held, gate, entered = _held()
 
     async def main() -> None:
         with MicroBatcher(held, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
@@ -1280,12 +1287,7 @@ def test_an_interrupt_as_a_waiter_claims_its_slot_passes_the_slot_on(
     """A Ctrl-C landing between a waiter's wake and its claim of the slot handed to it (the claim's
     first step, outside the wait's handler) kept that slot taken for good: the queue stayed full for
     every later caller. Seen with real interrupts on 3.13t (about 1 in 500 hand-overs)."""
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(items: list[str]) -> list[str]:
-        entered.set()
-        gate.wait(10)
-        return items
+    held, gate, entered = _held()
 
     with MicroBatcher(held, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
         queue = batcher._queue
@@ -1349,12 +1351,7 @@ def test_an_interrupt_inside_a_claim_hands_the_slot_to_the_next_in_line(
 ) -> None:
     """A Ctrl-C inside a waiter's claim, after it let go of the slot handed to it and before its
     request was queued, left that slot free while the next in line waited on for another."""
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(items: list[str]) -> list[str]:
-        entered.set()
-        gate.wait(10)
-        return items
+    held, gate, entered = _held()
 
     with MicroBatcher(held, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
         queue = batcher._queue
