@@ -887,29 +887,3 @@ def test_an_interrupt_while_a_pass_starts_leaves_no_readers(
         iter(loader)
     assert wait_for_no_reader_threads(3) == []
     loader.close()
-
-
-@pytest.mark.parametrize("front", ["loader", "service"])
-def test_a_ctrl_c_in_a_close_run_by_a_finalizer_reaches_the_main_thread(
-    front: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A Ctrl-C landing in the close() that __del__ runs (a script rebinding a name drops the old
-    loader, whose warm-up is still starting) was swallowed: the script kept running."""
-    from threadloader import BatchDecoder
-
-    kind: Any = ThreadLoader if front == "loader" else BatchDecoder
-    real = kind.close
-
-    def interrupted(self: Any, *args: Any, **kwargs: Any) -> None:
-        real(self, *args, **kwargs)
-        raise KeyboardInterrupt  # a Ctrl-C landing at the end of close()
-
-    if front == "loader":
-        made: Any = ThreadLoader([(b"", 0)], batch_size=1, device="cpu")
-    else:
-        made = BatchDecoder(device="cpu", num_threads=1)
-    monkeypatch.setattr(kind, "close", interrupted)
-    gc.collect()  # now: a collection running when the interrupt comes would swallow it in its callbacks
-    with pytest.raises(KeyboardInterrupt):
-        del made  # its last reference: __del__ runs here
-        time.sleep(2)  # the interrupt is delivered again here, in the main thread

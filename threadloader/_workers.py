@@ -20,7 +20,6 @@ dropping the owner closes the pool.
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import contextlib
 import ctypes
@@ -47,7 +46,6 @@ __all__ = [
     "WeakRegistry",
     "available_cpus",
     "close_deadline",
-    "close_in_finalizer",
     "uninterrupted",
 ]
 
@@ -531,26 +529,6 @@ def uninterrupted(*steps: Callable[[], object]) -> None:
                 interrupt = interrupt or exc
     if interrupt is not None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
         raise interrupt
-
-
-def close_in_finalizer(close: Callable[[], object]) -> None:
-    """Runs ``close`` for a ``__del__``; a Ctrl-C that lands in it is delivered to the main thread again.
-
-    A finalizer's exception is only printed ("Exception ignored in"): a Ctrl-C in a close that ``__del__``
-    ran (a script rebinding a name to a new loader drops the old one) was lost, and the script ran on.
-    ``close`` raises one only when none was being handled already (see :func:`uninterrupted`). It is
-    delivered from a thread a moment later: at once, it would land in the finalizer again.
-    """
-    try:
-        close()
-    except KeyboardInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            threading.Thread(target=_interrupt_soon, name="threadloader-interrupt", daemon=True).start()
-
-
-def _interrupt_soon() -> None:
-    time.sleep(0.05)  # past the finalizer's last steps
-    _thread.interrupt_main()
 
 
 def _exiting() -> LoaderClosedError:

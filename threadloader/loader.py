@@ -9,6 +9,7 @@ functions defined in a notebook work as they are.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import numbers
@@ -29,7 +30,7 @@ from ._runtime import Runtime
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import OrderedPool, WeakRegistry, close_deadline, close_in_finalizer, uninterrupted
+from ._workers import OrderedPool, WeakRegistry, close_deadline, uninterrupted
 from .decode.base import ImageDecoder
 from .errors import LoaderClosedError, SampleError
 from .transforms import Transform
@@ -466,7 +467,10 @@ class ThreadLoader:
         # would find the module globals it needs cleared (a free-threaded build frees objects that late).
         # Nor for a loader whose constructor raised.
         if not _finalizing() and getattr(self, "_iterators", None) is not None:
-            close_in_finalizer(self.close)
+            # A second Ctrl-C during close() is raised after the threads have ended: from a finalizer it
+            # would only be printed ("Exception ignored"), the first one being on its way already.
+            with contextlib.suppress(KeyboardInterrupt):
+                self.close()
 
     def __repr__(self) -> str:
         try:
@@ -605,7 +609,8 @@ class _EpochIterator:
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         if not _finalizing() and getattr(self, "_pool", None) is not None:  # see ThreadLoader.__del__
-            close_in_finalizer(self.close)
+            with contextlib.suppress(KeyboardInterrupt):
+                self.close()
 
 
 class _Progress:

@@ -38,7 +38,7 @@ from ._serving.engine import Engine, LastOut, Runner
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue, cancel
 from ._stats import STAGES, StatsRecorder
-from ._workers import ThreadGroup, close_deadline, close_in_finalizer
+from ._workers import ThreadGroup, close_deadline
 from .decode.base import Encoded, ImageDecoder
 from .errors import QueueFullError
 from .transforms import Transform
@@ -241,7 +241,7 @@ class _Batching(Generic[T, R]):
         # A finalizer must not block on queued work: holders of pending futures get CancelledError. Not
         # at interpreter exit, where the exit hook has stopped the workers (see ThreadLoader.__del__).
         if not _finalizing() and self._group is not None:
-            close_in_finalizer(functools.partial(self.close, cancel_pending=True))
+            self.close(cancel_pending=True)
 
 
 _Self = TypeVar("_Self", bound=_Batching[Any, Any])
