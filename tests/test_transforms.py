@@ -577,6 +577,9 @@ def test_output_normalization_refuses_a_std_zero_in_float32_on_both_paths(
         from threadloader.transforms import _kernels
 
         monkeypatch.setattr(_kernels, "_ON_CPU", True)  # interpreted: tests/test_kernels.py says how
-    output = OutputFormat(size=(4, 4), dtype=torch.float16, mean=(0.5,) * 3, std=(0.2, 1e-46, 0.2))
+    with pytest.raises(ValueError, match=r"conversion to torch\.float32,.*1e-46"):  # when built
+        OutputFormat(size=(4, 4), dtype=torch.float16, mean=(0.5,) * 3, std=(0.2, 1e-46, 0.2))
+    output = OutputFormat(size=(4, 4), dtype=torch.float16, mean=(0.5,) * 3, std=(0.2, 0.2, 0.2))
+    object.__setattr__(output, "std", (0.2, 1e-46, 0.2))  # past that check: each path refuses it too
     with pytest.raises(ValueError, match=r"conversion to torch\.float32,.*1e-46"):
         output.apply(torch.stack([IMAGE, IMAGE]))
