@@ -14,8 +14,9 @@ def check_std(std: tuple[float, ...], dtype: torch.dtype) -> None:
     """Refuses a ``std`` with a value that is zero in ``dtype``, the type the division is computed in.
 
     A std nonzero as a Python float can still underflow there (1e-46 in float32, 1e-8 in float16) and
-    turn every pixel into inf or NaN; torchvision's ``Normalize`` refuses it, with this message. The
-    check is made on the host, once per values and dtype: never a sync with the GPU.
+    turn every pixel into inf or NaN; torchvision's ``functional.normalize`` refuses it, with this
+    message (v2's ``Normalize`` checks the Python floats only). The check is made on the host, once per
+    values and dtype: never a sync with the GPU.
 
     Raises:
         ValueError: Naming the std and the dtype.
