@@ -24,7 +24,7 @@ from ._cancel import Cancelled, check_cancelled
 from ._handoff import ReaderStream
 from ._pipeline import BatchProducer
 from ._stats import StatsRecorder
-from ._workers import POLL, ThreadGroup, close_deadline
+from ._workers import POLL, LastOut, ThreadGroup, close_deadline
 from .errors import SampleError
 
 __all__ = ["Warmup", "warmup_source"]
@@ -77,10 +77,10 @@ class Warmup:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._deadline: float | None = None  # the first close's: every close waits until it
-        self._then: Callable[[], object] | None = None  # run by the last thread to end (see then())
         self._batches = threads
         self._prepare = prepare
         self._running = threads + (prepare is not None)
+        self._last_out = LastOut(self._running, what="closing the decoder after the background warm-up")
         self._new_producer = new_producer
         self._readers = list(readers)
         self._group = ThreadGroup(
@@ -107,12 +107,9 @@ class Warmup:
         finally:
             with self._lock:
                 self._running -= 1
-                then = None
                 if not self._running:
                     self._done.set()
-                    then, self._then = self._then, None
-            if then is not None:
-                _logged(then)
+            self._last_out.leave()
 
     @property
     def done(self) -> bool:
@@ -151,19 +148,7 @@ class Warmup:
         For closing the decoder, which must not run under the warm-up's call: the GPU decoder's close
         waited for nvImageCodec's start (seconds), past the close's deadline.
         """
-        with self._lock:
-            if self._running:
-                self._then = step
-                return
-        step()
-
-
-def _logged(step: Callable[[], object]) -> None:
-    """Runs a step left to a warm-up thread; a failure is logged (no owner is there to raise it to)."""
-    try:
-        step()
-    except BaseException:
-        logger.exception("threadloader: closing the decoder after the background warm-up failed")
+        self._last_out.then(step)
 
 
 def _ignore(_error: SampleError) -> None:

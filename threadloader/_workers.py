@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import sys
 import threading
@@ -41,6 +42,7 @@ from .errors import LoaderClosedError
 __all__ = [
     "JOIN_TIMEOUT",
     "POLL",
+    "LastOut",
     "OrderedPool",
     "ThreadGroup",
     "WeakRegistry",
@@ -508,6 +510,53 @@ def available_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+class LastOut:
+    """Runs a step once the last of a set of threads has left: at once, if they all have.
+
+    For freeing what a thread may still be using after its owner stopped waiting for it (a decoder
+    under a call that outlived ``close()``'s deadline): the owner hands the step over, and the last
+    thread out runs it, never under that call.
+
+    Args:
+        threads: How many threads will call :meth:`leave`, each once, as its last step.
+        what: What the step does, for the log line if it fails in a thread (no caller to raise to).
+    """
+
+    def __init__(self, threads: int, *, what: str) -> None:
+        self._lock = threading.Lock()
+        self._inside = threads
+        self._step: Callable[[], object] | None = None
+        self._what = what
+
+    def leave(self) -> None:
+        """A thread is done; the last one runs the step handed over, if any."""
+        with self._lock:
+            self._inside -= 1
+            step = self._step if self._inside == 0 else None
+            if step is not None:
+                self._step = None
+        if step is None:
+            return
+        try:
+            step()
+        except Exception:
+            logging.getLogger("threadloader").exception("threadloader: %s failed", self._what)
+
+    def then(self, step: Callable[[], object]) -> bool:
+        """Runs ``step`` now if every thread has left, else hands it to the last one; whether it ran here.
+
+        ``step`` must be idempotent: every close hands its own over, and one handed over while another
+        waits is dropped (that one runs).
+        """
+        with self._lock:
+            if self._inside > 0:
+                if self._step is None:
+                    self._step = step
+                return False
+        step()
+        return True
 
 
 def uninterrupted(*steps: Callable[[], object]) -> None:

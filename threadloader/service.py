@@ -34,11 +34,11 @@ from ._device import parse_device, usable
 from ._options import DEFAULTS, Options
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
-from ._serving.engine import Engine, LastOut, Runner
+from ._serving.engine import Engine, Runner, serve_then_leave
 from ._serving.metrics import Metrics
 from ._serving.queue import RequestQueue, cancel
 from ._stats import STAGES, StatsRecorder
-from ._workers import ThreadGroup, close_deadline
+from ._workers import LastOut, ThreadGroup, close_deadline
 from .decode.base import Encoded, ImageDecoder
 from .errors import QueueFullError
 from .transforms import Transform
@@ -136,11 +136,12 @@ class _Batching(Generic[T, R]):
         # The workers see the queue and the runner, never the service: dropping it runs its finalizer.
         # Interpreter exit cancels the group: queued requests are cancelled, batches being run stop at
         # their next step and fail their requests with LoaderClosedError.
-        self._last_out = LastOut(self.num_threads)  # closes the decoder once no worker is in a call
+        # Closes the decoder once no worker is in a call to it (see _close).
+        self._last_out = LastOut(self.num_threads, what="closing the service's decoder")
         self._group = ThreadGroup(
             name=f"threadloader-{type(self).__name__.lower()}{next(_service_numbers)}",
             count=self.num_threads,
-            target=functools.partial(self._last_out.serve, self._queue, runner),
+            target=functools.partial(serve_then_leave, self._last_out, self._queue, runner),
             wake=functools.partial(self._queue.close, cancel_pending=True),
         )
 
@@ -214,7 +215,7 @@ class _Batching(Generic[T, R]):
         """
         self._queue.close(cancel_pending=cancel_pending)
         if release is not None:
-            self._last_out.release(release)
+            self._last_out.then(release)
         assert self._group is not None
         if threading.current_thread() in self._group.threads:
             return

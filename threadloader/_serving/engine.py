@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +23,14 @@ from .._handoff import Ready
 from .._pipeline import Batch
 from .._runtime import Runtime
 from .._stats import StatsRecorder
+from .._workers import LastOut
 from ..errors import LoaderClosedError, SampleError, detached
 from .metrics import Metrics
 from .queue import Request, RequestQueue
 
 logger = logging.getLogger("threadloader")
 
-__all__ = ["Engine", "LastOut", "Runner", "answer", "run_guarded", "serve"]
+__all__ = ["Engine", "Runner", "answer", "run_guarded", "serve", "serve_then_leave"]
 
 _CLOSED_WHILE_RUNNING = "the interpreter is exiting: its service stopped while running this request"
 
@@ -243,52 +243,12 @@ def _serve_one(queue: RequestQueue, runner: Runner, index: int) -> bool:
     return True
 
 
-class LastOut:
-    """Runs a service's release (closing its decoder) once no worker can be inside a call any more.
+def serve_then_leave(last_out: LastOut, queue: RequestQueue, runner: Runner, index: int) -> None:
+    """A worker's target: :func:`serve`, then ``last_out.leave()`` however it ended.
 
-    A close that stops waiting for the workers (``close(cancel_pending=True)`` after its second, a
-    Ctrl-C, a close from a request's done-callback, which runs in a worker) must not free the decoder
-    under a decode call still running: the worker still in it runs the release when it leaves.
-
-    Args:
-        workers: The worker threads that run :meth:`serve` (each leaves exactly once).
+    The last worker out closes the service's decoder, if its close has handed that over.
     """
-
-    def __init__(self, workers: int) -> None:
-        self._lock = threading.Lock()
-        self._serving = workers
-        self._release: Callable[[], object] | None = None
-
-    def serve(self, queue: RequestQueue, runner: Runner, index: int) -> None:
-        """A worker's target: :func:`serve`, then the release if this worker is the last to leave."""
-        try:
-            serve(queue, runner, index)
-        finally:
-            self._left()
-
-    def release(self, step: Callable[[], object]) -> bool:
-        """Runs ``step`` now if every worker has left, else leaves it to the last one; whether it ran here.
-
-        ``step`` must be idempotent: each close passes it, and one left to the workers while an earlier
-        one is pending is dropped (the pending one runs).
-        """
-        with self._lock:
-            if self._serving > 0:
-                if self._release is None:
-                    self._release = step
-                return False
-        step()
-        return True
-
-    def _left(self) -> None:
-        with self._lock:
-            self._serving -= 1
-            step = self._release if self._serving == 0 else None
-            if step is not None:
-                self._release = None
-        if step is None:
-            return
-        try:
-            step()
-        except Exception:  # a worker has no caller to raise to
-            logger.exception("closing the service's decoder after its last worker failed")
+    try:
+        serve(queue, runner, index)
+    finally:
+        last_out.leave()
