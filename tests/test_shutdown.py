@@ -887,3 +887,27 @@ def test_an_interrupt_while_a_pass_starts_leaves_no_readers(
         iter(loader)
     assert wait_for_no_reader_threads(3) == []
     loader.close()
+
+
+def test_a_loader_whose_constructor_fails_after_its_runtime_closes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A constructor that raised after the Runtime was built (pin_memory's warning made an error, a
+    Ctrl-C) left its decoder, and on a GPU its warm-up, to nobody: __del__ skips a half-made loader."""
+    import warnings
+
+    import threadloader._runtime
+
+    closes: list[int] = []
+
+    class Built(PillowDecoder):
+        def close(self) -> None:
+            closes.append(1)
+
+    monkeypatch.setattr(threadloader._runtime, "build_decoder", lambda *_, **__: Built())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Warning, match="pin_memory=True, but CUDA is not available"):
+            ThreadLoader([b""], batch_size=1, device="cpu", pin_memory=True)
+    assert closes == [1]

@@ -254,14 +254,22 @@ class ThreadLoader:
         self._runtime = runtime = Runtime(
             options, batch_size=plan_batch_size or 1, decode_batch_size=decode_batch_size
         )
-        self.device, self.num_threads = runtime.device, runtime.num_threads
-        self.decode_batch_size = runtime.decode_batch_size
-        self.pin_memory = pin_memory and _can_pin()
-        # A partial, to remake the producer with the seed a loaded state brings (see load_state_dict).
-        self._new_producer = functools.partial(
-            runtime.producer, source=self._source, on_error=on_error, stats=self._stats, collate=collate_fn
-        )
-        self._producer = self._new_producer(seed=seed)
+        try:
+            self.device, self.num_threads = runtime.device, runtime.num_threads
+            self.decode_batch_size = runtime.decode_batch_size
+            self.pin_memory = pin_memory and _can_pin()
+            # A partial, to remake the producer with the seed a loaded state brings (see load_state_dict).
+            self._new_producer = functools.partial(
+                runtime.producer,
+                source=self._source,
+                on_error=on_error,
+                stats=self._stats,
+                collate=collate_fn,
+            )
+            self._producer = self._new_producer(seed=seed)
+        except BaseException:  # a warning made an error, a Ctrl-C: no loader, so no close() would
+            runtime.close()  # stop the warm-up and free the decoder built for it
+            raise
         self._next_epoch = 0
         # Whether set_epoch or load_state_dict chose _next_epoch since the last pass: then a sampler's
         # epoch that the user set directly does not override it.
