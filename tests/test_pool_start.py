@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from threadloader import _workers
+from threadloader import ThreadLoader, _workers
 from threadloader._workers import OrderedPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,3 +111,22 @@ def test_eight_threads_on_one_core_give_the_first_result_as_soon_as_one() -> Non
     eight = min(first_result_s(8) for _ in range(2))
     # All eight starting at once shared the core: the first result came about eight times later.
     assert eight < 3 * one, f"first result: {one:.3f} s with 1 thread, {eight:.3f} s with 8"
+
+
+def test_a_thread_the_system_refuses_is_named_with_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """num_threads=100000 failed at the first iter() with a bare "can't start new thread" that named
+    neither the count nor the argument."""
+    start = threading.Thread.start
+    calls = [0]
+
+    def refusing(self: threading.Thread) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    with ThreadLoader([b""] * 8, batch_size=1, device="cpu", num_threads=5) as loader:
+        monkeypatch.setattr(threading.Thread, "start", refusing)
+        refused = r"refused thread 3 of 5 .*can't start new thread.*num_threads"
+        with pytest.raises(RuntimeError, match=refused):
+            iter(loader)

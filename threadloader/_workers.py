@@ -146,10 +146,15 @@ class ThreadGroup:
             for thread in self._threads:
                 thread.start()
                 started += 1
-        except BaseException:  # "can't start new thread", or Ctrl-C: the owner is never made, so
+        except BaseException as exc:  # "can't start new thread", or Ctrl-C: the owner is never made, so
             for ended in self._ended[started:]:  # nothing would stop the threads already started
                 ended.set()
             self.cancel()
+            if isinstance(exc, RuntimeError) and "start new thread" in str(exc):
+                raise RuntimeError(
+                    f"{name}: the system refused thread {started + 1} of {count} ({exc}); ask for fewer "
+                    f"threads (num_threads), or raise the process's thread limit (ulimit -u)"
+                ) from exc
             raise
         finally:
             self._go.set()
