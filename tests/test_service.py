@@ -15,6 +15,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -1203,16 +1204,28 @@ def test_close_never_closes_the_decoder_under_a_running_call(
         service.close()
 
 
-def _held() -> tuple[Callable[[list[str]], list[str]], threading.Event, threading.Event]:
-    """A MicroBatcher function that says when it is entered and holds its call until the gate opens."""
+def _held(
+    served: list[str] | None = None,
+) -> tuple[Callable[[list[str]], list[str]], threading.Event, threading.Event]:
+    """A MicroBatcher function that says when it is entered and holds its call until the gate opens;
+    the items it returns go to ``served`` too."""
     gate, entered = threading.Event(), threading.Event()
 
     def held(items: list[str]) -> list[str]:
         entered.set()
         gate.wait(10)
+        if served is not None:
+            served.extend(items)
         return items
 
     return held, gate, entered
+
+
+async def _filled(batcher: MicroBatcher[str, str], entered: threading.Event) -> Future[str]:
+    """A one-slot batcher made full: a request held in its function, and one queued (returned)."""
+    batcher.submit("running")
+    assert await asyncio.to_thread(entered.wait, 5)
+    return batcher.submit("queued")
 
 
 def test_a_cancel_in_the_loop_step_that_hands_an_arun_its_slot_cancels_it() -> None:
@@ -1223,9 +1236,7 @@ def test_a_cancel_in_the_loop_step_that_hands_an_arun_its_slot_cancels_it() -> N
     async def main() -> None:
         with MicroBatcher(held, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
             try:
-                batcher.submit("running")
-                assert await asyncio.to_thread(entered.wait, 5)
-                queued = batcher.submit("queued")  # the queue is full
+                queued = await _filled(batcher, entered)
                 task = asyncio.ensure_future(batcher.arun("late", timeout=10))
                 await asyncio.sleep(0.1)  # waiting for room
                 queued.cancel()  # frees its slot: the waiter is woken in the next step...
@@ -1243,21 +1254,13 @@ def test_room_goes_to_the_waiters_first_come_first_served() -> None:
     """A freed slot went to whoever ran first: a newcomer took it from an asyncio waiter woken for it,
     which then waited behind the newcomers, again and again (some waited past their timeout under a
     load that others were served in milliseconds). Threads and asyncio tasks now share one line."""
-    gate, entered = threading.Event(), threading.Event()
     served: list[str] = []
-
-    def record(items: list[str]) -> list[str]:
-        entered.set()
-        gate.wait(10)
-        served.extend(items)
-        return items
+    record, gate, entered = _held(served)
 
     async def main() -> None:
         with MicroBatcher(record, max_batch=1, max_delay_ms=0, max_queue=1) as batcher:
             try:
-                batcher.submit("running")
-                assert await asyncio.to_thread(entered.wait, 5)
-                queued = batcher.submit("queued")  # the queue is full
+                queued = await _filled(batcher, entered)
                 first = asyncio.ensure_future(batcher.arun("A"))
                 await asyncio.sleep(0.1)
                 thread = threading.Thread(target=batcher.run, args=("T",))  # a thread in line after A
