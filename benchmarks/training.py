@@ -40,6 +40,7 @@ from benchmarks import common, loaders, report, timeline
 from benchmarks.common import Batch, DeviceMemory, SkipRow, Step, names, record_failure
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 from benchmarks.train_step import KINDS, make_step, model_name, random_batch
+from threadloader.decode.nvimgcodec import _allocators
 
 PIPELINES = ("resize", "augment")
 LOADERS = ("fixed_input", "threadloader", "dali", "spawn_collate_nvimgcodec", "pil_dataloader")
@@ -97,6 +98,9 @@ class TrainingRow:
     #: ThreadLoader rows: per window, ``loader.stats()``'s host ms per batch handed out, per stage
     #: (summed over the reader threads, so they can add up to more than a step).
     stage_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
+    #: ThreadLoader rows on the GPU: per window, nvImageCodec's calls to the allocators per step
+    #: (``_allocators.Counts``' fields); empty where its Decoders have none.
+    allocator_calls_per_step: list[dict[str, float]] = field(default_factory=list)
     startup_s: float | None = None  # building the loader and its first batch's data, the pause left out
     build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
     first_batch_s: float | None = None  # after the pause, to the first batch's data ready
@@ -228,6 +232,7 @@ def _window(
     """
     on_device: list[float] | None = [] if device == "cuda" else None
     before = stats() if stats is not None else None
+    allocations = _allocators.counts()
     switches = common.context_switches()
     # All processes' CPU (DataLoader workers too), read outside the wall clock: a walk over /proc
     # takes milliseconds, which would stretch the window; the main thread's is read inside it.
@@ -241,6 +246,10 @@ def _window(
     switched = common.context_switches()
     if before is not None and stats is not None:
         row.stage_ms_per_batch.append(common.stage_ms(before, stats()))
+    allocated = _allocators.counts()
+    if allocations is not None and allocated is not None:
+        calls = zip(allocated._fields, allocated, allocations, strict=True)
+        row.allocator_calls_per_step.append({name: (now - was) / steps for name, now, was in calls})
     row.images_per_s.append(images / wall)
     row.ms_per_step.append(1000 * wall / steps)
     row.data_wait_frac.append(waited / wall)
@@ -261,8 +270,15 @@ def _diagnostics(row: TrainingRow) -> str:
         if row.main_voluntary_per_step
         else "switches unknown"
     )
+    allocations = ""
+    if row.allocator_calls_per_step:
+        calls = row.allocator_calls_per_step[-1]
+        allocations = ", nvImageCodec's device mallocs/frees per step {:.2f}/{:.2f}".format(
+            calls["device_mallocs"], calls["device_frees"]
+        )
     return (
         f"main {row.main_cpu_ms_per_step[-1]:.1f} ms CPU/step, {switches}, {row.process_cores[-1]:.1f} cores"
+        + allocations
     )
 
 

@@ -14,7 +14,7 @@ import torch
 
 from threadloader._stats import StatsRecorder
 from threadloader.decode import nvimgcodec as nv_module
-from threadloader.decode.nvimgcodec import _capi, _engines, _startup
+from threadloader.decode.nvimgcodec import _allocators, _capi, _engines, _startup
 from threadloader.decode.nvimgcodec import _decoder as _decoder_module
 
 from .conftest import encode, gpu_mismatch, photo, pil_reference, with_orientation
@@ -148,3 +148,29 @@ def test_regions_of_turned_images_are_pillows_crops(engine: str) -> None:
         diff = np.abs(image.cpu().numpy().astype(int) - expected.astype(int))
         assert diff.mean() <= 1.0 and diff.max() <= 24, (position, diff.mean(), diff.max())  # region edges
     assert len(batch.regions) >= 6
+
+
+def test_nvimgcodec_decodes_from_the_pool_and_gives_it_back_when_its_decoders_go() -> None:
+    """Decoders get the allocators (``_alloc.c``, carried or built here): nvImageCodec's device memory
+    comes from the pool, pixels stay Pillow's, the same batch again allocates nothing (nvJPEG's buffers
+    padded), and closing the decoder hands its memory back."""
+    assert _allocators.unavailable() is None
+    blobs = [encode(photo(300 + 40 * i, 420 - 30 * i, i), quality=90) for i in range(6)]
+    decoder = _decoder(backend="cuda")
+    stream = torch.cuda.Stream()
+    calls = []
+    for _ in range(2):
+        batch = decoder.decode(blobs, stream=stream, stats=StatsRecorder(), pad=True)
+        stream.synchronize()
+        calls.append(_allocators.counts())
+        assert not batch.errors
+        for position, data in enumerate(blobs):
+            image = batch.image(position)
+            assert image is not None and gpu_mismatch(image, pil_reference(data)) is None, position
+    assert calls[0] is not None and calls[0].device_mallocs > 0, calls
+    assert calls[1] == calls[0], calls
+    held = _allocators.reserved(0)
+    assert held >= _allocators.DEVICE_MEMORY_PADDING, held  # nvJPEG's padded buffers, at least
+    decoder.close()
+    torch.cuda.synchronize()
+    assert _allocators.reserved(0) < held

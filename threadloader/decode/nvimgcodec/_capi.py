@@ -388,6 +388,9 @@ class Decoder:
         cpu_threads: Its own CPU threads (Huffman decoding, CPU codecs).
         options: Decoder options (``"nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"``); ``""`` keeps
             each decoder's defaults.
+        allocators: Addresses of an ``nvimgcodecDeviceAllocator_t`` and an
+            ``nvimgcodecPinnedAllocator_t`` that outlive the Decoder (``_allocators.py``); ``None``:
+            nvImageCodec's own.
 
     Raises:
         RuntimeError: If nvImageCodec cannot make it (the status names the reason).
@@ -401,8 +404,10 @@ class Decoder:
         backends: Sequence[BackendSpec] | None,
         cpu_threads: int,
         options: str = "",
+        allocators: tuple[int, int] | None = None,
     ) -> None:
         self.instance = instance
+        self.device_id = device_id
         self.host = device_id == DEVICE_CPU_ONLY
         chosen = (_Backend * max(1, len(backends or ())))()
         for slot, (kind, load_hint) in zip(chosen, backends or (), strict=False):
@@ -414,8 +419,7 @@ class Decoder:
             _EXECUTION_PARAMS,
             sizeof(_ExecutionParams),
             None,
-            None,
-            None,
+            *(allocators or (None, None)),
             cpu_threads,
             None,
             device_id,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..base import Encoded, Region
-from . import _capi
+from . import _allocators, _capi
 from ._jpeg import exif_orientation
 
 __all__ = [
@@ -79,7 +79,7 @@ OPTIONS_ENV = "THREADLOADER_NVIMGCODEC_OPTIONS"
 HOST_MEMORY_PADDING = 8 << 20
 
 
-def decoder_options(*, fancy_upsampling: bool, batch: int) -> str:
+def decoder_options(*, fancy_upsampling: bool, batch: int, allocators: bool = False) -> str:
     """nvImageCodec's options string for a Decoder, with :data:`OPTIONS_ENV`'s appended (later wins).
 
     nvImageCodec upsamples JPEG chroma smoothly by default, as libjpeg and Pillow do. With that on, its
@@ -91,9 +91,14 @@ def decoder_options(*, fancy_upsampling: bool, batch: int) -> str:
 
     As DALI does, the CUDA decoder's staging buffers grow with :data:`HOST_MEMORY_PADDING` to spare,
     and the JPEG engine's buffers are made for ``batch`` images up front (``0``: nvImageCodec's
-    default of one).
+    default of one). A Decoder given allocators (``allocators``; ``_allocators.py``) also pads the CUDA
+    decoder's device buffers and makes its buffers up front, as DALI has it do: nvImageCodec ignores
+    both without allocators.
     """
     parts = [f"nvjpeg_cuda_decoder:host_memory_padding={HOST_MEMORY_PADDING}"]
+    if allocators:
+        parts.append(f"nvjpeg_cuda_decoder:device_memory_padding={_allocators.DEVICE_MEMORY_PADDING}")
+        parts.append("nvjpeg_cuda_decoder:preallocate_buffers=1")
     if batch > 0:
         parts.append(f"nvjpeg_hw_decoder:preallocate_batch_size={batch}")
     if not fancy_upsampling:
@@ -285,16 +290,21 @@ class CApiEngine(Engine):
         kinds = CONFIGS[config]
         backends = None if kinds is None else [(getattr(_capi, kind), hint) for kind, hint in kinds]
         with torch.cuda.device(device_index):
+            allocators = _allocators.for_device(device_index)
             return _capi.Decoder(
                 self._instance,
                 device_id=device_index,
                 backends=backends,
                 cpu_threads=cpu_threads,
-                options=decoder_options(fancy_upsampling=fancy_upsampling, batch=batch),
+                options=decoder_options(
+                    fancy_upsampling=fancy_upsampling, batch=batch, allocators=allocators is not None
+                ),
+                allocators=None if allocators is None else (allocators.device, allocators.pinned),
             )
 
     def destroy(self, decoder: Any) -> None:
         decoder.destroy()
+        _allocators.trim(decoder.device_id)
 
     def parse(self, encoded: Sequence[Encoded], *, apart: bool = False) -> EngineBatch:
         if apart:
