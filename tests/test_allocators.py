@@ -9,6 +9,7 @@ pool, the pool trimmed after) is ``tests/test_gpu_capi.py``'s.
 from __future__ import annotations
 
 import ctypes
+import logging
 import importlib.util
 from collections.abc import Iterator
 from ctypes import CFUNCTYPE, POINTER, Structure, c_int, c_size_t, c_uint, c_void_p
@@ -188,3 +189,18 @@ def test_allocators_turn_on_nvjpegs_device_padding_and_preallocation() -> None:
     assert "nvjpeg_cuda_decoder:preallocate_buffers=1" in given
     without = decoder_options(fancy_upsampling=True, batch=64)
     assert "device_memory_padding" not in without and "preallocate_buffers" not in without
+
+
+def test_a_device_without_allocators_says_why_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_allocators, "_devices", {})
+    monkeypatch.setattr(_allocators, "_runtime", "no CUDA runtime here (the test's)")
+    with caplog.at_level(logging.INFO, logger="threadloader"):
+        assert _allocators.for_device(7) is None
+        assert _allocators.for_device(7) is None
+    assert _allocators.unavailable(7) == "no CUDA runtime here (the test's)"
+    assert _allocators.counts() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "nvImageCodec allocates with cudaMalloc and cudaFree on cuda:7: no CUDA runtime here (the test's)"
+    ]

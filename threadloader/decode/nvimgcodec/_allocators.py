@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 import os
 import threading
 from ctypes import POINTER, Structure, c_int, c_size_t, c_ubyte, c_uint64, c_ushort, c_void_p
@@ -103,6 +104,8 @@ class _Unavailable(Exception):
     pass
 
 
+logger = logging.getLogger("threadloader")
+
 _lock = threading.Lock()
 _runtime: tuple[ctypes.CDLL, ctypes.CDLL] | str | None = None  # (the shim, libcudart) or why not
 _devices: dict[int, Allocators | str] = {}
@@ -162,11 +165,14 @@ def _load() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return _runtime
 
 
-def unavailable() -> str | None:
-    """Why Decoders are made without allocators here, or ``None`` where they get them."""
+def unavailable(index: int | None = None) -> str | None:
+    """Why Decoders (on CUDA device ``index``, if given) are made without allocators, or ``None``."""
     if not env_flag(ENV, default=True):
         return f"{ENV}=0"
     with _lock:
+        made = _devices.get(index) if index is not None else None
+        if isinstance(made, str):
+            return made
         try:
             _load()
         except _Unavailable as exc:
@@ -177,8 +183,8 @@ def unavailable() -> str | None:
 def for_device(index: int) -> Allocators | None:
     """The allocators for Decoders on CUDA device ``index``, made on first call; ``None`` without.
 
-    ``None`` where :func:`unavailable` names a reason, or the device's pool could not be made (the
-    reason stays, for :func:`unavailable`'s callers to report through the decoder's start).
+    ``None`` where :func:`unavailable` names a reason (logged once a device, at INFO: decoding works
+    without them, at a cost beside a busy GPU).
     """
     if not env_flag(ENV, default=True):
         return None
@@ -188,6 +194,7 @@ def for_device(index: int) -> Allocators | None:
                 _devices[index] = _setup(index, *_load())
             except _Unavailable as exc:
                 _devices[index] = str(exc)
+                logger.info("nvImageCodec allocates with cudaMalloc and cudaFree on cuda:%d: %s", index, exc)
         made = _devices[index]
     return made if isinstance(made, Allocators) else None
 
