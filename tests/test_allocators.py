@@ -9,8 +9,8 @@ pool, the pool trimmed after) is ``tests/test_gpu_capi.py``'s.
 from __future__ import annotations
 
 import ctypes
-import logging
 import importlib.util
+import logging
 from collections.abc import Iterator
 from ctypes import CFUNCTYPE, POINTER, Structure, c_int, c_size_t, c_uint, c_void_p
 
