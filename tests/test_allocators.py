@@ -172,10 +172,11 @@ def test_the_pool_props_have_cudas_layout() -> None:
 def test_without_the_environments_consent_or_a_cuda_runtime_it_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(_allocators.ENV, "0")
-    assert _allocators.unavailable() == f"{_allocators.ENV}=0"
-    assert _allocators.for_device(0) is None
-    monkeypatch.delenv(_allocators.ENV)
+    for unset in ("", "0"):
+        monkeypatch.setenv(_allocators.ENV, unset)
+        assert _allocators.unavailable() == f"{_allocators.ENV} is not 1 (they are opt-in)"
+        assert _allocators.for_device(0) is None
+    monkeypatch.setenv(_allocators.ENV, "1")
     import torch
 
     if torch.version.cuda is None:  # a CPU build: no libcudart to forward to
@@ -194,6 +195,7 @@ def test_allocators_turn_on_nvjpegs_device_padding_and_preallocation() -> None:
 def test_a_device_without_allocators_says_why_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    monkeypatch.setenv(_allocators.ENV, "1")
     monkeypatch.setattr(_allocators, "_devices", {})
     monkeypatch.setattr(_allocators, "_runtime", "no CUDA runtime here (the test's)")
     with caplog.at_level(logging.INFO, logger="threadloader"):

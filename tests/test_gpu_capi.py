@@ -150,13 +150,19 @@ def test_regions_of_turned_images_are_pillows_crops(engine: str) -> None:
     assert len(batch.regions) >= 6
 
 
-def test_nvimgcodec_decodes_from_the_pool_and_gives_it_back_when_its_decoders_go() -> None:
-    """Decoders get the allocators (``_alloc.c``, carried or built here): nvImageCodec's device memory
-    comes from the pool, pixels stay Pillow's, the same batch again allocates nothing (nvJPEG's buffers
-    padded), and closing the decoder hands its memory back."""
-    assert _allocators.unavailable() is None
+def test_nvimgcodec_decodes_from_the_pool_and_gives_it_back_when_its_decoders_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the allocators on (``_alloc.c``, carried or built here), nvImageCodec's device memory comes
+    from the pool, pixels stay Pillow's, the same batch again allocates nothing (nvJPEG's buffers
+    padded), and destroying the decoder's Decoders hands their memory back."""
+    monkeypatch.setenv(_allocators.ENV, "1")
+    assert _allocators.unavailable(0) is None
     blobs = [encode(photo(300 + 40 * i, 420 - 30 * i, i), quality=90) for i in range(6)]
-    decoder = _decoder(backend="cuda")
+    registry = nv_module.DecoderRegistry(nv_module.new_decoder, _startup._destroy)
+    decoder = nv_module.NvImageCodecDecoder(
+        torch.device("cuda", 0), decode_threads=2, registry=registry, backend="cuda"
+    )
     stream = torch.cuda.Stream()
     calls = []
     for _ in range(2):

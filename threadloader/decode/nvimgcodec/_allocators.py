@@ -9,10 +9,13 @@ pool of the device's (``cudaMallocFromPoolAsync``) and give back to it in stream
 (``cudaFreeAsync``), which waits for nothing; the pool keeps what it holds until a Decoder is
 destroyed (:func:`trim`).
 
+Opt-in (:data:`ENV`): on an H100 beside a ResNet-50 step they took nvImageCodec's allocations to none
+a step, but the step ran no faster (within a percent, either way), and nvImageCodec held hundreds of
+MB more device memory (docs/benchmarks.md, "Host calls that wait for the GPU").
+
 The allocators are C functions (``_alloc.c``, built with the package where a C compiler is found),
 never Python callbacks: nvImageCodec calls them from its own threads. Without the built library, or
-with :data:`ENV` set to ``0``, Decoders are made without allocators, as before; :func:`unavailable`
-says why.
+without :data:`ENV`, Decoders are made without allocators; :func:`unavailable` says why.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ __all__ = [
     "unavailable",
 ]
 
-#: ``0`` makes Decoders without allocators (nvImageCodec's own ``cudaMalloc`` and ``cudaFree``), read
-#: when a Decoder is made: the way back, and the other side of an A/B.
+#: ``1`` gives Decoders the allocators, read when a Decoder is made; unset or ``0``, nvImageCodec
+#: allocates with its own ``cudaMalloc`` and ``cudaFree``.
 ENV = "THREADLOADER_NVIMGCODEC_ALLOCATORS"
 
 #: Extra device memory (bytes) nvJPEG's CUDA decoder adds to a buffer when it grows: DALI's default.
@@ -167,8 +170,8 @@ def _load() -> tuple[ctypes.CDLL, ctypes.CDLL]:
 
 def unavailable(index: int | None = None) -> str | None:
     """Why Decoders (on CUDA device ``index``, if given) are made without allocators, or ``None``."""
-    if not env_flag(ENV, default=True):
-        return f"{ENV}=0"
+    if not env_flag(ENV, default=False):
+        return f"{ENV} is not 1 (they are opt-in)"
     with _lock:
         made = _devices.get(index) if index is not None else None
         if isinstance(made, str):
@@ -186,7 +189,7 @@ def for_device(index: int) -> Allocators | None:
     ``None`` where :func:`unavailable` names a reason (logged once a device, at INFO: decoding works
     without them, at a cost beside a busy GPU).
     """
-    if not env_flag(ENV, default=True):
+    if not env_flag(ENV, default=False):
         return None
     with _lock:
         if index not in _devices:
