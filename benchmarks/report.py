@@ -581,10 +581,10 @@ def queued(results: Path, charts: bool) -> list[str]:
 
 
 def options(results: Path, charts: bool) -> list[str]:
-    """nvJPEG's memory options against the ones before, call by call beside the step: tables only."""
-    found = load(results, "options-training-*.json")
+    """nvJPEG's memory options and the pool's allocators against the defaults beside the step: tables."""
+    found = [*load(results, "options-training-*.json"), *load(results, "allocators-training-*.json")]
     if not found:
-        return no_results("options-training-*.json")
+        return no_results("options-training-*.json, allocators-training-*.json")
     return [*training_table(found, page=True), *main_thread_table(found)]
 
 
