@@ -36,7 +36,7 @@ def test_every_section_says_when_it_has_no_results(tmp_path: Path) -> None:
         assert f"No results yet (`docs/results/{pattern}`)." in text
     assert "cpu-throughput*.json" in text and "cpu-training*.json" in text
     assert "queued*-throughput-*.json, queued*-training.json" in text
-    assert "No results yet (`docs/results/options-training-*.json`)." in text
+    assert "No results yet (`docs/results/options-training-*.json, allocators-training-*.json`)." in text
     assert "{{" not in text
     assert "No training results yet" in report.training_summary(tmp_path)
 
