@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from ctypes import CFUNCTYPE, POINTER, Structure, c_int, c_size_t, c_uint, c_void_p
 
 import pytest
@@ -99,16 +99,29 @@ def test_the_structs_have_nvimgcodecs_layout_and_type_codes(setup: Setup) -> Non
     assert device.ctx and device.ctx == pinned.ctx
 
 
-def test_device_memory_comes_from_the_pool_on_the_callers_stream(setup: Setup) -> None:
-    runtime, device, _ = setup
+@pytest.mark.parametrize(
+    ("side", "size", "calls"),
+    [
+        (
+            "device",
+            4096,
+            lambda ptr: [("cudaMallocFromPoolAsync", 4096, POOL, STREAM), ("cudaFreeAsync", ptr, STREAM)],
+        ),
+        ("pinned", 512, lambda ptr: [("cudaHostAlloc", 512, 0), ("cudaFreeHost", ptr)]),
+    ],
+)
+def test_each_allocator_forwards_to_its_cuda_calls(
+    setup: Setup, side: str, size: int, calls: Callable[[int], list[tuple[object, ...]]]
+) -> None:
+    """Device memory comes from the device's pool on the caller's stream and goes back on it; pinned
+    memory is cudaHostAlloc's. The pointer CUDA wrote is the one the caller gets, and frees."""
+    runtime, device, pinned = setup
+    allocator = device if side == "device" else pinned
     ptr = c_void_p()
-    assert device.malloc(device.ctx, ctypes.byref(ptr), 4096, STREAM) == 0
-    assert ptr.value == 0x1000 + 4096
-    assert device.free(device.ctx, ptr.value, 4096, STREAM) == 0
-    assert runtime.calls == [
-        ("cudaMallocFromPoolAsync", 4096, POOL, STREAM),
-        ("cudaFreeAsync", ptr.value, STREAM),
-    ]
+    assert allocator.malloc(allocator.ctx, ctypes.byref(ptr), size, STREAM) == 0
+    assert ptr.value == (0x1000 if side == "device" else 0x2000) + size
+    assert allocator.free(allocator.ctx, ptr.value, size, STREAM) == 0
+    assert runtime.calls == calls(ptr.value)
 
 
 def test_the_calls_are_counted(setup: Setup) -> None:
@@ -126,15 +139,6 @@ def _counts() -> list[int]:
     out = (ctypes.c_uint64 * 4)()
     _allocators._shim().tl_counts(out)
     return list(out)
-
-
-def test_pinned_memory_is_cuda_host_memory(setup: Setup) -> None:
-    runtime, _, pinned = setup
-    ptr = c_void_p()
-    assert pinned.malloc(pinned.ctx, ctypes.byref(ptr), 512, STREAM) == 0
-    assert ptr.value == 0x2000 + 512
-    assert pinned.free(pinned.ctx, ptr.value, 512, STREAM) == 0
-    assert runtime.calls == [("cudaHostAlloc", 512, 0), ("cudaFreeHost", ptr.value)]
 
 
 def test_freeing_null_does_nothing_and_succeeds(setup: Setup) -> None:
