@@ -456,17 +456,36 @@ class _LockedStart(_StuckDecoder):
             self.closed_by.append(threading.current_thread().name)
 
 
-def test_the_built_decoder_is_closed_after_a_warm_up_call_that_outlives_close(
+def test_close_waits_for_a_warm_up_call_and_closes_the_decoder_after_it_not_under_it(
+    tmp_path: Path,
+) -> None:
+    """A notebook closes a loader for its device memory back: the close waits for the warm-up's call
+    (nvImageCodec's start, seconds past the close's second) and returns with the decoder closed, by the
+    warm-up's thread as its call ends, never under it. A close that returned first (b04a5ad) left 20
+    loaders' Decoders on the GPU a while after each close (tests/test_gpu_registry.py)."""
+    built = _LockedStart()
+    loader = _built_loader(tmp_path, built)
+    opened = threading.Timer(1.5, built.gate.set)  # the call ends half a second past the deadline
+    opened.start()
+    try:
+        assert 1.3 < _timed(loader.close) < 2.5
+        assert built.closed_by == ["threadloader-warmup-0"]
+    finally:
+        built.gate.set()
+        opened.cancel()
+    loader.close()  # again, once the warm-up has ended: closed here (a decoder's close is idempotent)
+    assert built.closed_by == ["threadloader-warmup-0", "MainThread"]
+
+
+def test_a_warm_up_call_past_the_release_wait_closes_the_decoder_as_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """close() closed the decoder under the warm-up's call: the GPU decoder's close waited for
-    nvImageCodec's start, so close() took seconds past its second. The warm-up's thread closes it."""
+    """A start stuck past RELEASE_WAIT does not hold the close: its thread closes the decoder later."""
+    monkeypatch.setattr(_runtime, "RELEASE_WAIT", 0.3)
     built = _LockedStart()
-    monkeypatch.setattr(_runtime, "build_decoder", lambda *_args, **_kwargs: built)
-    loader = ThreadLoader(folder(tmp_path), batch_size=3, device="cpu")
-    assert built.entered.wait(5)
+    loader = _built_loader(tmp_path, built)
     try:
-        assert 0.8 < _timed(loader.close) < 1.6
+        assert 1.1 < _timed(loader.close) < 1.9  # the warm-up's second, then the release wait
         assert built.closed_by == []  # not under the call still running
     finally:
         built.gate.set()
@@ -474,5 +493,12 @@ def test_the_built_decoder_is_closed_after_a_warm_up_call_that_outlives_close(
     while not built.closed_by and time.monotonic() < deadline:
         time.sleep(0.01)
     assert built.closed_by == ["threadloader-warmup-0"]
-    loader.close()  # again, once the warm-up has ended: closed here (a decoder's close is idempotent)
-    assert built.closed_by == ["threadloader-warmup-0", "MainThread"]
+
+
+def _built_loader(tmp_path: Path, built: _LockedStart) -> ThreadLoader:
+    """A loader over ``built``, once its warm-up is inside its first call."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_runtime, "build_decoder", lambda *_args, **_kwargs: built)
+        loader = ThreadLoader(folder(tmp_path), batch_size=3, device="cpu")
+    assert built.entered.wait(5)
+    return loader

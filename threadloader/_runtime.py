@@ -12,6 +12,7 @@ neither front end names a concrete decoder.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,11 @@ __all__ = ["Runtime", "build_decoder"]
 _READY = 0.0005
 #: Groups in a row that say the other side is slower before the decoder is told (not one odd group).
 _STREAK = 4
+
+#: Longest :meth:`Runtime.close` waits for a warm-up call still running past its deadline (nvImageCodec's
+#: start: seconds) to end, so that the decoder is closed, and its Decoders' device memory back, when the
+#: close returns. Past it the warm-up's last thread closes the decoder as it ends.
+RELEASE_WAIT = 15.0
 
 #: Pillow threads per reader for a GPU front end's first batches (the cores the readers share, up to
 #: this): a group is one or two batches, so more would mostly start threads.
@@ -76,6 +82,7 @@ class Runtime:
         self._consumer_ahead = False  # told to the decoder; changed after _STREAK groups say otherwise
         self._streak = 0
         self._built = decoder is None
+        self._decoder_closed = threading.Event()  # set once the decoder built here has been closed
         if decoder is None:
             decoder = build_decoder(
                 options, self.device, threads=self.num_threads, batch=self.decode_batch_size
@@ -160,7 +167,8 @@ class Runtime:
         """Stops the warm-up, and lets the decoder built here go (its Decoders' memory). Idempotent.
 
         The decoder is closed once no warm-up thread is in a call to it: here, or by the last of them as
-        it ends, when one is still in a step past the deadline (nvImageCodec's start).
+        it ends, when one is still in a step past the deadline (nvImageCodec's start), which this waits
+        for up to :data:`RELEASE_WAIT`.
 
         ``until``: the deadline of the wait for the warm-up's threads (see :meth:`Warmup.close`).
         """
@@ -169,10 +177,25 @@ class Runtime:
         if warmup is not None:
             steps.append(functools.partial(warmup.close, until=until))
         if self._built:  # not under a warm-up call still running past the deadline: its thread closes it
-            steps.append(
-                self.decoder.close if warmup is None else functools.partial(warmup.then, self.decoder.close)
-            )
+            closing = self._close_decoder if warmup is None else functools.partial(self._hand_over, warmup)
+            steps.append(closing)
         uninterrupted(*steps)  # a Ctrl-C skips none
+
+    def _close_decoder(self) -> None:
+        try:
+            self.decoder.close()
+        finally:
+            self._decoder_closed.set()
+
+    def _hand_over(self, warmup: Warmup) -> None:
+        """Closes the decoder, or hands that to the warm-up's last thread, and waits for it.
+
+        A notebook closes a loader to get its device memory back, and a test of that measured it right
+        after: the close waits up to :data:`RELEASE_WAIT` for the warm-up's call (not at interpreter
+        exit, whose hooks have their own waits).
+        """
+        if not warmup.then(self._close_decoder) and not sys.is_finalizing():
+            self._decoder_closed.wait(RELEASE_WAIT)
 
 
 def build_decoder(options: Options, device: torch.device, *, threads: int, batch: int) -> ImageDecoder:

@@ -142,13 +142,16 @@ class Warmup:
         self._group.cancel()
         self._group.join_by(deadline)
 
-    def then(self, step: Callable[[], object]) -> None:
+    def then(self, step: Callable[[], object]) -> bool:
         """Runs ``step`` once no warm-up thread is in a call any more: now, or by the last as it ends.
 
         For closing the decoder, which must not run under the warm-up's call: the GPU decoder's close
         waited for nvImageCodec's start (seconds), past the close's deadline.
+
+        Returns:
+            Whether it ran here.
         """
-        self._last_out.then(step)
+        return self._last_out.then(step)
 
 
 def _ignore(_error: SampleError) -> None:
