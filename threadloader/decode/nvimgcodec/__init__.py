@@ -1,6 +1,7 @@
 """GPU decoding with nvImageCodec, one module a job.
 
-From the bottom: ``_capi`` (the C API through ctypes: structs, constants, status names), ``_jpeg``
+From the bottom: ``_capi`` (the C API through ctypes: structs, constants, status names),
+``_allocators`` (nvImageCodec's allocators in C, ``_alloc.c``, over a CUDA pool; opt-in), ``_jpeg``
 (JPEG header reading and rewriting), ``_engines`` (the C API and the Python API behind one batch
 interface; the Decoder configurations), ``_registry`` (Decoder pools, claimed by the decoders that use
 them and destroyed after), ``_memory`` (decode memory, one allocation a batch), ``_pace`` (which
