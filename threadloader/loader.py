@@ -450,8 +450,11 @@ class ThreadLoader:
         """Stops every iteration of this loader, from any thread. Idempotent.
 
         Reader threads stop at their next step (a sample, an image, a batch); this waits up to a second
-        for them. An iteration's next ``next()``, and one already waiting in another thread, raises
-        :class:`LoaderClosedError` rather than ending the loop as if the epoch were complete.
+        for them. While the GPU decoder is still starting in the background (nvImageCodec's load:
+        seconds), it also waits for that start to end, up to 15 s, so that the decoder's device memory
+        is back when this returns. An iteration's next ``next()``, and one already waiting in another
+        thread, raises :class:`LoaderClosedError` rather than ending the loop as if the epoch were
+        complete.
         """
         with self._lock:
             self._closed = True
