@@ -426,8 +426,8 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
 
         The decoder this service built is closed once no worker is in a call to it: by close, or, when
         close stopped waiting first (that second, a Ctrl-C, a close from a done-callback, which runs in
-        a worker), by the last worker as it leaves its call. Never under a running call. While the GPU
-        decoder is still starting in the background, close waits for that start too (up to 15 s).
+        a worker), by the last worker as it leaves its call. Never under a running call. Nor under the GPU
+        decoder's start in the background: whichever closes it waits for that start (up to 15 s).
         """
         until = close_deadline()  # one bounded wait for the workers and the warm-up
         # After a drain, the warm-up gets its own second.
