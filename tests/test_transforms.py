@@ -587,3 +587,33 @@ def test_output_normalization_refuses_a_std_zero_in_float32_on_both_paths(
     object.__setattr__(output, "std", (0.2, 1e-46, 0.2))  # past that check: each path refuses it too
     with pytest.raises(ValueError, match=r"conversion to torch\.float32,.*1e-46"):
         output.apply(torch.stack([IMAGE, IMAGE]))
+
+
+@pytest.mark.parametrize("integer", [torch.int8, torch.int16, torch.uint16, torch.int32])
+@pytest.mark.parametrize("size", [None, (4, 6)])
+def test_a_float_output_scales_a_transforms_integer_type_by_its_own_range(
+    integer: torch.dtype, size: tuple[int, int] | None
+) -> None:
+    """ToDtype(int16, scale=True) then a float output is that integer over 32767, not over 255 (which
+    made white 128.5); torchvision's two ToDtypes in a row, in plain torch."""
+    pixels = np.random.default_rng(3).integers(0, 256, (8, 12, 3), dtype=np.uint8)
+    loader = ThreadLoader(
+        [encode(pixels, "PNG")],
+        batch_size=1,
+        device="cpu",
+        transform=ToDtype(integer, scale=True),
+        size=size,
+        dtype=torch.float32,
+    )
+    with loader:
+        (got,), _ = next(iter(loader))
+    shift = torch.iinfo(integer).bits - (1 if integer.is_signed else 0) - 8  # value bits past uint8's
+    wide = torch.from_numpy(pixels).permute(2, 0, 1).to(torch.int64)
+    as_integer = (wide << shift if shift >= 0 else wide >> -shift).to(integer)
+    expected = as_integer.double() / torch.iinfo(integer).max
+    if size is not None:
+        expected = torch.nn.functional.interpolate(
+            expected[None], size=size, mode="bilinear", antialias=True, align_corners=False
+        )[0]
+    assert got.dtype == torch.float32 and got.max() <= 1.0 + 1e-6
+    assert (got.double() - expected).abs().max() < 1e-5

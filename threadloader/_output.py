@@ -141,7 +141,7 @@ class OutputFormat:
             regions,
             self.size,
             dtype=self.dtype,
-            divide=255.0 if scale else 1.0,
+            divide=float(torch.iinfo(batch.dtype).max) if scale else 1.0,
             mean=self.mean,
             std=self.std,
             channels_last=self.channels_last,
@@ -164,7 +164,7 @@ class OutputFormat:
         ``regions``, a batch tensor whose rows are resampled from those regions only. Float outputs are
         resized in float, without rounding to integers first.
         """
-        integer = not batch[0].is_floating_point()
+        source = batch[0].dtype
         if self.dtype == torch.uint8:
             work_dtype = batch[0].dtype
         else:
@@ -185,8 +185,8 @@ class OutputFormat:
             # On a channels_last batch the per-channel constants broadcast along the innermost
             # dimension, a slow path on the CPU: the arithmetic is several times faster on NCHW.
             work = work.contiguous()
-        if integer:
-            work = work.div_(255)  # a new tensor here; exact, unlike a multiply by 1/255
+        if not source.is_floating_point:  # an integer type's own range, as ToDtype(scale=True) has it
+            work = work.div_(torch.iinfo(source).max)  # a new tensor here; exact, unlike a multiply
         if self.mean is not None and self.std is not None:
             work = normalize(work, self.mean, self.std, inplace=work is not batch)  # never the caller's
         return work.to(self.dtype)
