@@ -881,6 +881,29 @@ def test_a_request_its_caller_finished_while_queued_is_withdrawn() -> None:
         assert batcher.stats().cancelled == 1
 
 
+def test_a_request_its_caller_finished_while_running_leaves_the_rest_of_its_batch_answered() -> None:
+    """A caller that gave up with future.set_exception() once a worker had taken its request: the
+    worker's set_result raised InvalidStateError, which answered every later request of the micro-batch
+    with it instead of its result, and the given-up request was counted as completed."""
+    taken, release = threading.Event(), threading.Event()
+
+    def slow(items: list[int]) -> list[int]:
+        taken.set()
+        release.wait(10)
+        return [10 * x for x in items]
+
+    with MicroBatcher(slow, max_batch=4, max_delay_ms=200, num_threads=1) as batcher:
+        futures = [batcher.submit(i) for i in range(4)]
+        assert taken.wait(5)
+        futures[1].set_exception(TimeoutError("gave up"))
+        release.set()
+        assert [futures[i].result(5) for i in (0, 2, 3)] == [0, 20, 30]
+        with pytest.raises(TimeoutError, match="gave up"):
+            futures[1].result(0)
+        stats = batcher.stats()
+    assert (stats.batches, stats.completed, stats.failed) == (1, 3, 1)
+
+
 def test_a_micro_batcher_on_a_cuda_device_that_is_not_there_says_so() -> None:
     """It raised torch's 'Torch not compiled with CUDA enabled' or 'torch.cuda.Stream requires CUDA'."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -64,7 +64,8 @@ class BatcherStats:
         submitted: Requests accepted by ``submit``.
         rejected: Requests refused because the queue was full.
         completed: Requests answered with a result.
-        failed: Requests answered with an error (their own, or a failure of their whole batch).
+        failed: Requests answered with an error (their own, or a failure of their whole batch), and
+            requests their caller finished itself (``set_exception`` on giving up) while they ran.
         cancelled: Requests cancelled before a worker took them, by their caller (which frees their
             slot in the queue at once) or by ``close(cancel_pending=True)``.
         batches: Micro-batches run.

@@ -13,6 +13,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -145,16 +146,24 @@ def answer(
 ) -> None:
     """Completes a request's future with its result or ``error``, and counts it.
 
-    A done-callback's ``SystemExit`` or other non-``Exception`` (``concurrent.futures`` catches only
-    an ``Exception``) is logged here: raised on, it went to the batch's other requests, or ended the
-    worker with them unanswered.
+    Counted first, so that a caller woken by its answer reads stats that include it. A future its
+    caller finished while the request ran (``set_exception`` on giving up) is left as it is and counted
+    as failed: its ``InvalidStateError``, raised on, went to the batch's later requests in place of
+    their answers. A done-callback's ``SystemExit`` or other non-``Exception`` (``concurrent.futures``
+    catches only an ``Exception``) is logged here: raised on, it went to the batch's other requests, or
+    ended the worker with them unanswered.
     """
-    metrics.answered(ok=error is None, seconds=time.perf_counter() - request.submitted)
+    given_up = request.future.done()
+    metrics.answered(ok=error is None and not given_up, seconds=time.perf_counter() - request.submitted)
+    if given_up:
+        return
     try:
         if error is None:
             request.future.set_result(result)
         else:
             request.future.set_exception(error)
+    except InvalidStateError:  # finished by its caller since the check above: it has its answer
+        return
     except Exception:
         raise
     except BaseException:
