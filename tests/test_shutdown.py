@@ -643,6 +643,46 @@ def test_a_daemon_thread_iterating_at_exit_ends_silently(tmp_path: Path) -> None
     assert not alarms(result.stderr), result.stderr
 
 
+#: A MicroBatcher whose function loads each request's images with a ThreadLoader, exiting mid-batch.
+LOADER_IN_A_WORKER_SCRIPT = """
+import sys, threading
+from threadloader import MicroBatcher, ThreadLoader
+from tests.conftest import SlowSamples, encode, photo
+
+JPEG = encode(photo(16, 24), quality=90)
+inside = threading.Event()
+
+
+def load_all(requests):
+    counts = []
+    for _ in requests:
+        count = 0
+        for images, _ in ThreadLoader(SlowSamples([JPEG] * 1000), batch_size=2, num_threads=2, device="cpu"):
+            inside.set()
+            count += len(images)
+        counts.append(count)
+    return counts
+
+
+batcher = MicroBatcher(load_all, max_batch=1, max_delay_ms=0, num_threads=1)
+future = batcher.submit("job")
+future.add_done_callback(lambda f: print("answered:", type(f.exception()).__name__, flush=True))
+inside.wait()
+print("main done", flush=True)
+"""
+
+
+def test_exit_while_a_library_thread_iterates_a_loader(tmp_path: Path) -> None:
+    """The exit hook waits for a MicroBatcher's worker, which parked for good in the loader's next()
+    (where a user's daemon thread is parked until the process ends): the process never exited."""
+    started = time.monotonic()
+    result = run_script(tmp_path, LOADER_IN_A_WORKER_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "main done\nanswered: LoaderClosedError\n"
+    assert time.monotonic() - started < 60
+    assert "Traceback" not in result.stderr and not alarms(result.stderr), result.stderr
+
+
 def test_no_threads_start_once_the_exit_hook_ran(blobs: list[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
     """After the hook, a pass would start readers that nothing stops: refused (here, in the main thread)."""
     from threadloader import _workers

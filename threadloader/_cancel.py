@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["Cancelled", "bind_cancel", "check_cancelled"]
+__all__ = ["Cancelled", "bind_cancel", "check_cancelled", "in_own_thread"]
 
 _local = threading.local()
 
@@ -38,3 +38,8 @@ def check_cancelled() -> None:
     flag: threading.Event | None = getattr(_local, "flag", None)
     if flag is not None and flag.is_set():
         raise Cancelled
+
+
+def in_own_thread() -> bool:
+    """Whether the calling thread is one of the library's own (it has a cancellation flag bound)."""
+    return getattr(_local, "flag", None) is not None

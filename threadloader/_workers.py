@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._cancel import Cancelled, bind_cancel
+from ._cancel import Cancelled, bind_cancel, in_own_thread
 from ._gil import MERGE_INTERVAL
 from .errors import LoaderClosedError
 
@@ -589,12 +589,16 @@ def _exiting() -> LoaderClosedError:
     """Where a thread ends up that uses a pool, or starts a group, once the exit hook has run.
 
     Only daemon threads still run then (Python joins the others before ``atexit`` hooks), and the main
-    thread in an exit hook that runs after this module's. A daemon thread waits here until the process
-    ends, as Python stops daemon threads at exit: silently, with the script's exit code, and never inside
-    torch, where stopping a thread aborts the process. Raising would unwind it, and the torch calls that
-    unwinding makes (freeing its batches) race the interpreter's finalization. The main thread, which
-    the process waits for, gets the error instead.
+    thread in an exit hook that runs after this module's. A user's daemon thread waits here until the
+    process ends, as Python stops daemon threads at exit: silently, with the script's exit code, and
+    never inside torch, where stopping a thread aborts the process. Raising would unwind it, and the
+    torch calls that unwinding makes (freeing its batches) race the interpreter's finalization. One of
+    the library's own threads (a ``MicroBatcher`` worker whose function iterates a loader) is cancelled
+    instead: the exit hook waits for it to end, so parked here it hung the exit. The main thread, which
+    the process waits for, gets the error.
     """
+    if in_own_thread():
+        raise Cancelled
     if threading.current_thread() is not threading.main_thread():
         threading.Event().wait()
     return LoaderClosedError("the interpreter is exiting: its exit hook closed this loader")
