@@ -643,6 +643,44 @@ def test_a_daemon_thread_iterating_at_exit_ends_silently(tmp_path: Path) -> None
     assert not alarms(result.stderr), result.stderr
 
 
+def test_close_and_state_dict_do_not_wait_for_a_sampler_that_blocks_a_pass_starting(
+    blobs: list[bytes],
+) -> None:
+    """iter(loader) drew its first batches from the sampler holding the loader's lock: a sampler that
+    blocks before its first index (a streaming one waiting for work) held up close() and state_dict()
+    from every other thread until it yielded."""
+    release = threading.Event()
+
+    class Streaming:
+        def __iter__(self):
+            release.wait(20)
+            yield from range(len(blobs))
+
+        def __len__(self) -> int:
+            return len(blobs)
+
+    loader = make(blobs, sampler=Streaming())
+    outcome: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            iter(loader)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(0.3)  # the consumer waits in the sampler
+    started = time.monotonic()
+    assert loader.state_dict()["epoch"] == 0
+    loader.close()
+    assert time.monotonic() - started < 2
+    release.set()
+    consumer.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], LoaderClosedError), outcome
+    assert "closed while its pass started" in str(outcome[0])
+
+
 #: A MicroBatcher whose function loads each request's images with a ThreadLoader, exiting mid-batch.
 LOADER_IN_A_WORKER_SCRIPT = """
 import sys, threading

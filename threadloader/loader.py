@@ -281,6 +281,9 @@ class ThreadLoader:
         # close() and __iter__ (a pass that starts is closed, or sees _closed), and the epoch state that
         # __iter__, set_epoch, state_dict and load_state_dict read and write, from any thread.
         self._lock = threading.RLock()
+        # One pass starts at a time (the sampler is the user's, and stateful); not _lock, since a start
+        # waits in the sampler for its first batches, which close() and state_dict() must not wait for.
+        self._starting = threading.Lock()
 
     @property
     def source(self) -> Any:
@@ -299,6 +302,37 @@ class ThreadLoader:
         framework's ``iter()`` to check the loader, then dropped: Lightning's) was no epoch: unless an
         epoch was given since, the next pass starts where it would have, as ``state_dict()`` says.
         """
+        with self._starting:
+            epoch, progress = self._begin_pass()
+            # Outside the lock: the first group (and, resuming, the groups before ``start``) comes from
+            # the user's sampler, which may block (a streaming sampler waiting for work).
+            groups, drop = resume_groups(
+                progress.count(self._plan.batches(epoch)), self.decode_batch_size, progress.start
+            )
+            with self._lock:
+                if self._closed:  # by another thread meanwhile
+                    raise LoaderClosedError("this ThreadLoader was closed while its pass started")
+                # Threads see only the producer and the streams, never the loader: dropping the loader
+                # and its iterators closes the pool.
+                work = functools.partial(_produce_on, self._runtime, self._producer, epoch, self.pin_memory)
+                pool: OrderedPool[list[Outcome]] = OrderedPool(
+                    tasks=groups,
+                    work=work,
+                    num_threads=self.num_threads,
+                    window=self.num_threads * self.prefetch,
+                    name=f"threadloader-e{epoch}",
+                    on_ahead=functools.partial(self._stats.add_time, "ahead"),
+                )
+                try:
+                    iterator = _EpochIterator(self, pool, epoch, progress, drop=drop)
+                    self._iterators.add(iterator)
+                except BaseException:  # a Ctrl-C here left the pool's threads running, owned by nobody
+                    pool.close()
+                    raise
+        return iterator
+
+    def _begin_pass(self) -> tuple[int, _Progress]:
+        """The epoch a pass starts and its progress, recorded; the sampler told the epoch."""
         with self._lock:
             if self._closed:
                 raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
@@ -315,26 +349,7 @@ class ThreadLoader:
             self._next_epoch, self._epoch_given = epoch + 1, False
             self._resume = 0
             self._plan.set_epoch(epoch, given=given)
-            groups, drop = resume_groups(
-                progress.count(self._plan.batches(epoch)), self.decode_batch_size, start
-            )
-            pool: OrderedPool[list[Outcome]] = OrderedPool(
-                tasks=groups,
-                # Threads see only the producer and the streams, never the loader: dropping the loader
-                # and its iterators closes the pool.
-                work=functools.partial(_produce_on, self._runtime, self._producer, epoch, self.pin_memory),
-                num_threads=self.num_threads,
-                window=self.num_threads * self.prefetch,
-                name=f"threadloader-e{epoch}",
-                on_ahead=functools.partial(self._stats.add_time, "ahead"),
-            )
-            try:
-                iterator = _EpochIterator(self, pool, epoch, progress, drop=drop)
-                self._iterators.add(iterator)
-            except BaseException:  # a Ctrl-C here left the pool's threads running, owned by nobody
-                pool.close()
-                raise
-        return iterator
+        return epoch, progress
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (its shuffle order); later ones count on from it.
