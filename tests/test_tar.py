@@ -446,6 +446,26 @@ def test_a_pax_global_header_is_no_damage(tmp_path: Path, blobs: list[bytes]) ->
     assert [t for _, ts in ThreadLoader(source, batch_size=3) for t in ts.tolist()] == [0, 1, 2]
 
 
+def test_archives_with_global_headers_concatenated_are_no_damage(tmp_path: Path, blobs: list[bytes]) -> None:
+    """``cat a.tar b.tar`` of two ``git archive`` outputs: between them the first one's end-of-archive
+    zeros, then the second one's global header. Either alone was no damage; together they were."""
+    parts = []
+    for name, indices in (("a.tar", range(2)), ("b.tar", range(2, 4))):
+        path = tmp_path / name
+        with tarfile.open(path, "w", format=tarfile.PAX_FORMAT, pax_headers={"comment": name}) as archive:
+            for key, members in [sample(blobs, i) for i in indices]:
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    archive.addfile(info, io.BytesIO(data))
+        parts.append(path.read_bytes())
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(parts))
+    source = TarShards(joined)
+    assert source.damaged == []
+    assert [t for _, ts in ThreadLoader(source, batch_size=4) for t in ts.tolist()] == [0, 1, 2, 3]
+
+
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar writes sparse members; tarfile cannot")
 def test_a_sparse_member_is_left_out_and_said_so(tmp_path: Path, blobs: list[bytes]) -> None:
     """A sparse member's bytes are not stored in one run from its data offset: read as one, they were
@@ -598,6 +618,20 @@ def test_unindexable_shards_raise_at_construction_naming_the_shard(
         archive.add(good, arcname="inner.tar")
     with pytest.raises(ShardError, match="gzip-compressed tar cannot be read by position"):
         ThreadLoader(str(gz))
+    bz2 = tmp_path / "c.tar"  # named as a plain tar: the bytes say what it is
+    with tarfile.open(bz2, "w:bz2") as archive:
+        archive.add(good, arcname="inner.tar")
+    with pytest.raises(ShardError, match="bzip2-compressed tar cannot be read by position"):
+        ThreadLoader(str(bz2))
+
+
+def test_a_plain_tar_whose_first_name_starts_as_bzip2s_is_read(tmp_path: Path, blobs: list[bytes]) -> None:
+    """A tar starts with its first member's name: one named 'BZh91_0001.jpg' was refused as bzip2."""
+    path = write_shard(tmp_path / "bzh.tar", [("BZh91_0001", {"jpg": blobs[0], "cls": b"7"})])
+    assert path.read_bytes().startswith(b"BZh9")
+    (images, targets), *_ = list(ThreadLoader(str(path), batch_size=1))
+    assert targets.tolist() == [7]
+    check_pixels(images, blobs, [0])
 
 
 def test_single_non_shard_path_is_still_rejected(tmp_path: Path) -> None:
@@ -768,6 +802,28 @@ def write_members(
                 info.size = len(data)
                 archive.addfile(info, io.BytesIO(data))
     return path
+
+
+def test_links_that_name_no_sample_are_no_damage(tmp_path: Path, blobs: list[bytes]) -> None:
+    """A link to a folder of the shard ('latest' -> 'train') was reported as damage, said to name a
+    member 'the shard does not hold before it', and every failed sample of the shard carried that."""
+    path = tmp_path / "folders.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
+        folder = tarfile.TarInfo("train")
+        folder.type = tarfile.DIRTYPE
+        archive.addfile(folder)
+        for name, data in (("train/s0.jpg", blobs[0]), ("train/s0.cls", b"0"), ("train/s1.jpg", blobs[1])):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        for name, target in (("latest", "train"), ("train/current.jpg", "s0.jpg.missing")):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.SYMTYPE, target
+            archive.addfile(link)
+    source = TarShards(path)
+    assert len(source.damaged) == 1  # the sample's link to nothing is still said
+    assert "'train/current.jpg' is a link to 's0.jpg.missing'" in source.damaged[0]
+    assert "latest" not in source.damaged[0]
 
 
 def test_links_to_earlier_members_are_those_members(tmp_path: Path, blobs: list[bytes]) -> None:

@@ -48,8 +48,14 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 Target = Literal["auto", "cls", "txt", "json"]
 _TARGETS = ("auto", "cls", "txt", "json")
 
-# Compressed shards cannot be read by position: named so the error says what the file is.
-_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+# Compressed shards cannot be read by position: named so the error says what the file is (bzip2's
+# "BZh" is followed by its block size, a digit from 1 to 9).
+_COMPRESSED = {
+    re.compile(rb"\x1f\x8b"): "gzip",
+    re.compile(rb"BZh[1-9]"): "bzip2",
+    re.compile(rb"\xfd7zXZ\x00"): "xz",
+    re.compile(rb"\x28\xb5\x2f\xfd"): "zstd",
+}
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 _LETTERS = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?$")
 _GLOB = re.compile(r"[*?[]")  # what makes a local path a glob, as for the glob module
@@ -598,6 +604,20 @@ def _split_name(name: str) -> tuple[str, str] | None:
     return (f"{directory}/{key}" if directory else key), extension.lower()
 
 
+def _compression(head: bytes) -> str | None:
+    """The compression a shard's first block says it has; ``None`` for a tar's header, whatever its name.
+
+    A plain tar starts with its first member's name, which may start as a compressed format's magic
+    bytes do (a member named ``BZh91_0001.jpg``): a header whose checksum holds is a tar's.
+    """
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+        return None
+    except tarfile.HeaderError:
+        pass
+    return next((kind for magic, kind in _COMPRESSED.items() if magic.match(head)), None)
+
+
 def _index_shard(
     url: str,
     storage_options: dict[str, Any] | None,
@@ -615,14 +635,13 @@ def _index_shard(
         if not size:
             raise ShardError(f"{url}: the shard is empty (0 bytes)", shard=url)
         with shard.storage.open(shard.path) as f:
-            magic = f.read(6)
-            for prefix, kind in _COMPRESSED.items():
-                if magic.startswith(prefix):
-                    raise ShardError(
-                        f"{url}: a {kind}-compressed tar cannot be read by position; store shards as plain "
-                        "(uncompressed) tar files: JPEG members gain nothing from compression",
-                        shard=url,
-                    )
+            kind = _compression(f.read(tarfile.BLOCKSIZE))
+            if kind is not None:
+                raise ShardError(
+                    f"{url}: a {kind}-compressed tar cannot be read by position; store shards as plain "
+                    "(uncompressed) tar files: JPEG members gain nothing from compression",
+                    shard=url,
+                )
             f.seek(0)
             members, targets = _walk(f, shard, size, target)
     except ShardError:
@@ -674,7 +693,8 @@ def _walk(
     its end-of-archive blocks, which tar writers always write: a shard cut between two members looks
     whole to tarfile. A sparse member's bytes are not stored in one run: it is left out, and said so.
     A link (hard or symbolic) to a member stored before it is that member's bytes under its own name,
-    as GNU tar stores a second copy of a file; any other link is left out, and said so.
+    as GNU tar stores a second copy of a file; a link named as no sample, or to a folder, is no member;
+    any other link is left out, and said so.
 
     Returns:
         The regular-file members, and per target member (by its data's offset: names repeat) its bytes or
@@ -682,6 +702,7 @@ def _walk(
     """
     members: list[tarfile.TarInfo] = []
     regular: dict[str, tarfile.TarInfo] = {}
+    folders: set[str] = set()
     targets: dict[int, bytes | str] = {}
     gaps: list[tuple[int, int]] = []
     expected = 0  # where the next header should start
@@ -690,9 +711,13 @@ def _walk(
             if member.offset > expected:
                 gaps.append((expected, member.offset))
             expected = archive.offset  # past its data, as tarfile found it (a sparse member's is shorter)
+            if member.isdir():
+                folders.add(posixpath.normpath(member.name))
             if member.issym() or member.islnk():
                 linked = _linked(member, regular)
                 if linked is None:
+                    if _split_name(member.name) is None or _target(member) in folders:
+                        continue  # no sample's name, or a link to a folder (latest -> train): no sample
                     shard.damage.append(
                         f"member {member.name!r} is a link to {member.linkname!r}, which the shard does not "
                         "hold before it: left out"
@@ -722,20 +747,28 @@ def _walk(
     if expected < size:
         gaps.append((expected, size))
     for start, end in gaps:
-        start = _past_global_headers(f, start, end)
-        if not _zeros(f, start, end):
+        damaged = _damage_in(f, start, end)
+        if damaged is not None:
             shard.damage.append(
-                f"bytes {start}-{end} are not tar headers: a damaged or cut-off header, its member lost"
+                f"bytes {damaged}-{end} are not tar headers: a damaged or cut-off header, its member lost"
             )
     return members, targets
 
 
-def _linked(link: tarfile.TarInfo, regular: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
-    """A link as the regular member it names, under the link's own name; ``None`` if none came before."""
+def _target(link: tarfile.TarInfo) -> str:
+    """The member a link names, as a normalized path; a symbolic link's is relative to its folder.
+
+    './a.jpg' (from tar -cf x.tar .) is 'a.jpg', as the keys are.
+    """
     name = link.linkname
     if link.issym():
         name = posixpath.join(posixpath.dirname(link.name), name)
-    found = regular.get(posixpath.normpath(name))  # './a.jpg' (tar -cf x.tar .) is 'a.jpg', as the keys
+    return posixpath.normpath(name)
+
+
+def _linked(link: tarfile.TarInfo, regular: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
+    """A link as the regular member it names, under the link's own name; ``None`` if none came before."""
+    found = regular.get(_target(link))
     if found is None:
         return None
     member = copy.copy(found)
@@ -743,31 +776,30 @@ def _linked(link: tarfile.TarInfo, regular: dict[str, tarfile.TarInfo]) -> tarfi
     return member
 
 
-def _past_global_headers(f: IO[bytes], start: int, end: int) -> int:
-    """Where a gap goes on past the pax global headers at its start (tarfile reads them as no member)."""
-    while start + tarfile.BLOCKSIZE <= end:
-        f.seek(start)
-        try:
-            header = tarfile.TarInfo.frombuf(f.read(tarfile.BLOCKSIZE), "utf-8", "surrogateescape")
-        except tarfile.HeaderError:
-            break
-        if header.type != tarfile.XGLTYPE:
-            break
-        start += tarfile.BLOCKSIZE + _blocks(header.size)
-    return min(start, end)
+def _damage_in(f: IO[bytes], start: int, end: int) -> int | None:
+    """Where a gap between members holds what is neither zero padding nor a pax global header; ``None``.
 
-
-def _zeros(f: IO[bytes], start: int, end: int) -> bool:
-    """Whether the bytes from ``start`` to ``end`` are all zero (padding), read a MiB at a time."""
-    f.seek(start)
+    Both may come in any order: two archives concatenated leave the first one's end-of-archive blocks,
+    then the second one's global header (``git archive`` writes one first), which tarfile reads as no
+    member. Zeros are read a MiB at a time.
+    """
     while start < end:
+        f.seek(start)
         chunk = f.read(min(1 << 20, end - start))
         if not chunk:
-            break
-        if chunk.strip(b"\0"):
-            return False
-        start += len(chunk)
-    return True
+            return None
+        zeros = len(chunk) - len(chunk.lstrip(b"\0"))
+        if zeros == len(chunk) or zeros >= tarfile.BLOCKSIZE:
+            start += zeros if zeros == len(chunk) else zeros - zeros % tarfile.BLOCKSIZE
+            continue
+        try:
+            header = tarfile.TarInfo.frombuf(chunk[: tarfile.BLOCKSIZE], "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            return start
+        if header.type != tarfile.XGLTYPE:
+            return start
+        start += tarfile.BLOCKSIZE + _blocks(header.size)
+    return None
 
 
 def _blocks(size: int) -> int:
