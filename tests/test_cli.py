@@ -107,6 +107,52 @@ def test_a_folder_of_images_alone_and_image_files_load(
         assert (code, err) == (0, "") and "1 epoch(s) of 3 images at 16x16" in out
 
 
+def test_a_folder_of_images_with_sub_folders_without_images_loads_its_images(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Any sub-folder (an empty '.ipynb_checkpoints') made the command read class folders and exit 2
+    with "no image files", though the folder's JPEGs were there; a hidden one's images make no class."""
+    for i in range(3):
+        (tmp_path / f"{i}.jpg").write_bytes(encode(photo(20, 24, seed=i)))
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("no image")
+    (tmp_path / ".thumbs").mkdir()
+    (tmp_path / ".thumbs" / "0.jpg").write_bytes(encode(photo(20, 24, seed=9)))
+    code, out, err = in_process(capsys, str(tmp_path), "--device", "cpu", "--epochs", "1", "--size", "16")
+    assert (code, err) == (0, "") and "1 epoch(s) of 3 images at 16x16" in out
+
+
+def test_a_folder_without_images_says_what_it_holds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It said to remove '.ipynb_checkpoints' or pass --allow-empty, as if '.thumbs' were a class."""
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".thumbs").mkdir()
+    (tmp_path / ".thumbs" / "0.jpg").write_bytes(encode(photo(20, 24, seed=9)))
+    (tmp_path / "notes.txt").write_text("no image")
+    code, out, err = in_process(capsys, str(tmp_path), "--device", "cpu")
+    assert (code, out) == (2, "")
+    assert err == (
+        f"{PROG}: error: no images (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp), class folders "
+        f"or .tar shards in {str(tmp_path)!r}: it holds only sub-folders without images "
+        "('.ipynb_checkpoints'); hidden sub-folders with images ('.thumbs'), not classes: give one as the "
+        "folder; other files ('notes.txt')\n"
+    )
+
+
+def test_a_folder_named_like_a_shard_is_a_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A class-folder tree named 'imagenet.tar' was opened as a shard ("not a regular file"); the
+    library's as_source takes a directory as a folder before looking at its name."""
+    root = tmp_path / "imagenet.tar"
+    for name, count in (("cat", 1), ("dog", 2)):
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            (root / name / f"{i}.jpg").write_bytes(encode(photo(20, 24, seed=i)))
+    code, out, err = in_process(capsys, str(root), "--device", "cpu", "--epochs", "1", "--size", "16")
+    assert (code, err) == (0, "") and "1 epoch(s) of 3 images at 16x16" in out
+
+
 def test_the_first_batchs_time_leaves_out_making_the_sample_photos(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

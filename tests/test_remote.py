@@ -331,9 +331,17 @@ def test_without_fsspec_the_error_names_the_package(no_fsspec: None) -> None:
     loader.close()
 
 
-def test_without_the_protocols_package_a_list_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "source",
+    [["s3://bucket/a.jpg"], [("s3://bucket/a.jpg", 0)], [["s3://bucket/a.jpg", 0]]],
+    ids=["urls", "tuple pairs", "list pairs"],
+)
+def test_without_the_protocols_package_a_list_fails_at_construction(
+    monkeypatch: pytest.MonkeyPatch, source: list[object]
+) -> None:
     """With fsspec but no s3fs, a list of s3:// URLs built fine and its first batch raised fsspec's
-    ImportError, on_error="skip" or not: now the construction says it, as it does for fsspec."""
+    ImportError, on_error="skip" or not: now the construction says it, as it does for fsspec. Pairs
+    given as lists were still let through: the check looked inside tuples only."""
     import fsspec
 
     def missing(protocol: str) -> None:  # s3fs missing, as fsspec reports it (whether or not it is here)
@@ -341,7 +349,7 @@ def test_without_the_protocols_package_a_list_fails_at_construction(monkeypatch:
 
     monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
     with pytest.raises(ImportError, match=r"needs the package of its protocol: Install s3fs to access S3"):
-        ThreadLoader([("s3://bucket/a.jpg", 0)], on_error="skip")
+        ThreadLoader(source, on_error="skip")
 
 
 # ---------------------------------------------------------------------------------- resolved filesystems

@@ -8,6 +8,7 @@ options, a bad image) print one line and exit with a non-zero status, without a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import random
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset, Subset
 from . import ImageFolder, TarShards, ThreadLoader, ThreadLoaderError
 from . import _device as devices
 from ._encoded import IMAGE_EXTENSIONS
-from ._sources import Source
+from ._sources import Source, _is_folder
 from ._tar import is_shard_spec
 
 PROG = "python -m threadloader"
@@ -196,7 +197,8 @@ def _source(sources: list[str], count: int | None, *, allow_empty: bool = False)
     missing = [path for path in sources if not is_shard_spec(path) and not os.path.exists(path)]
     if missing:
         raise UsageError(f"no such file or folder: {missing[0]!r}")
-    if all(is_shard_spec(source) for source in sources):
+    # A directory is a folder whatever its name (imagenet.tar/cat/1.jpg), as the library's as_source has it.
+    if all(is_shard_spec(source) and not os.path.isdir(source) for source in sources):
         source: Source = TarShards(sources)
     elif all(os.path.isfile(path) and path.lower().endswith(IMAGE_EXTENSIONS) for path in sources):
         source = list(sources)
@@ -222,34 +224,57 @@ def _source(sources: list[str], count: int | None, *, allow_empty: bool = False)
 def _folder(path: str, *, allow_empty: bool = False) -> Source:
     """An :class:`ImageFolder` of class sub-folders, else the folder's images, else its tar shards.
 
-    Images and shards are sorted by name.
+    Sub-folders are classes only when one that is not hidden holds images, so a stray one without them
+    (an empty ``.ipynb_checkpoints``) does not make a folder of images a folder of classes: its images
+    load alone, without targets, as ``--help`` says. Images and shards are sorted by name.
 
     Raises:
-        UsageError: For class folders without images, unless ``allow_empty``: the library's error names
+        UsageError: For a folder with none of them, saying what it holds instead; for class folders
+            without images, unless ``allow_empty``: the library's error names
             ``ImageFolder(root, allow_empty=True)``, which the command spells ``--allow-empty``.
     """
     with os.scandir(path) as entries:
-        listed = list(entries)
-    if not any(entry.is_dir() for entry in listed):
-        images = [e.path for e in listed if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)]
-        if images:
-            return sorted(images)
-        shards = [e.path for e in listed if e.is_file() and is_shard_spec(e.name)]
-        if shards:
-            return TarShards(sorted(shards))
-        raise UsageError(
-            f"no images ({', '.join(IMAGE_EXTENSIONS)}), class folders or .tar shards in {path!r}"
+        listed = sorted(entries, key=lambda entry: entry.name)
+    folders = [entry.name for entry in listed if _is_folder(entry)]
+    folder: ImageFolder | None = None
+    if folders:  # a flat folder is not listed twice
+        with contextlib.suppress(FileNotFoundError):  # no sub-folder holds images (or each is a link loop)
+            folder = ImageFolder(path, allow_empty=True)
+    filled = {folder.classes[target] for _, target in folder.samples} if folder else set()
+    if folder and any(not name.startswith(".") for name in filled):
+        empty = [name for name in folder.classes if name not in filled]
+        if empty and not allow_empty:
+            raise UsageError(
+                f"class folders with no images ({', '.join(IMAGE_EXTENSIONS)}) in {path!r}: "
+                f"{', '.join(map(repr, empty))}; every class after one would get the wrong target: remove "
+                "them, or pass --allow-empty to keep them as classes without samples"
+            )
+        return folder
+    files = [entry for entry in listed if entry.is_file()]
+    images = [entry.path for entry in files if entry.name.lower().endswith(IMAGE_EXTENSIONS)]
+    if images:
+        return images
+    shards = [entry.path for entry in files if is_shard_spec(entry.name)]
+    if shards:
+        return TarShards(shards)
+    found = [
+        what.format(_names(names))
+        for what, names in (
+            ("sub-folders without images ({})", [name for name in folders if name not in filled]),
+            ("hidden sub-folders with images ({}), not classes: give one as the folder", sorted(filled)),
+            ("other files ({})", [entry.name for entry in files]),
         )
-    folder = ImageFolder(path, allow_empty=True)
-    filled = {target for _, target in folder.samples}
-    empty = [name for target, name in enumerate(folder.classes) if target not in filled]
-    if empty and not allow_empty:
-        raise UsageError(
-            f"class folders with no images ({', '.join(IMAGE_EXTENSIONS)}) in {path!r}: "
-            f"{', '.join(map(repr, empty))}; every class after one would get the wrong target: remove them, "
-            "or pass --allow-empty to keep them as classes without samples"
-        )
-    return folder
+        if names
+    ]
+    raise UsageError(
+        f"no images ({', '.join(IMAGE_EXTENSIONS)}), class folders or .tar shards in {path!r}: "
+        + (f"it holds only {'; '.join(found)}" if found else "it is empty")
+    )
+
+
+def _names(names: list[str]) -> str:
+    """The first few of ``names``, quoted: enough to recognise a folder by."""
+    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def run(args: argparse.Namespace) -> str:

@@ -290,7 +290,9 @@ def as_source(source: object) -> Source:
     if isinstance(source, (list, tuple)) and source:
         if all(isinstance(item, (str, os.PathLike)) and is_shard_spec(item) for item in source):
             return TarShards(source)
-        first = source[0][0] if isinstance(source[0], tuple) and source[0] else source[0]
+        # A pair is any 2-item sequence, as fetch_batch reads it: [url, target] as well as (url, target).
+        pair = _kind(type(source[0])) == _PAIR and len(source[0]) == 2
+        first = source[0][0] if pair else source[0]
         if isinstance(first, str) and is_url(first):
             require_fsspec(first)  # a missing fsspec fails here, not once per sample
     if isinstance(source, (bytes, bytearray, memoryview)):
