@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import threading
 import time
 import warnings
@@ -567,6 +568,32 @@ def test_sampler_and_shuffle_are_mutually_exclusive(indexed: list[tuple[bytes, i
         ThreadLoader(indexed, sampler=[0, 1], shuffle=True)
     with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
         DataLoader(range(4), sampler=[0, 1], shuffle=True)
+
+
+@pytest.mark.parametrize("name", ["shuffle", "drop_last", "pin_memory"])
+@pytest.mark.parametrize("value", ["no", None, 2, [True]])
+def test_a_switch_takes_true_or_false_only(
+    indexed: list[tuple[bytes, int]], name: str, value: object
+) -> None:
+    """Any object is truthy: shuffle="no" shuffled and drop_last="no" dropped the last batch."""
+    with pytest.raises(TypeError, match=rf"{name} must be True or False, got {re.escape(repr(value))}"):
+        ThreadLoader(indexed, device="cpu", **{name: value})
+
+
+@pytest.mark.parametrize("value", [True, False, 1, 0, np.True_, np.False_])
+def test_a_switch_takes_bools_ints_and_numpys_bools(indexed: list[tuple[bytes, int]], value: object) -> None:
+    with ThreadLoader(indexed, device="cpu", batch_size=3, shuffle=value, drop_last=value) as loader:
+        assert len(loader) == (len(indexed) // 3 if value else -(-len(indexed) // 3))
+
+
+@pytest.mark.parametrize("name", ["sampler", "batch_sampler"])
+def test_a_sampler_that_is_not_iterable_is_refused_at_construction(
+    indexed: list[tuple[bytes, int]], name: str
+) -> None:
+    """sampler=5 was taken, and failed at iter() with "'int' object is not iterable"."""
+    options = {name: 5} if name == "sampler" else {name: 5, "batch_size": None}
+    with pytest.raises(TypeError, match=rf"{name} must be an iterable of .*, got 5 \(int\)"):
+        ThreadLoader(indexed, device="cpu", **options)
 
 
 @pytest.mark.parametrize(

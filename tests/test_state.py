@@ -665,6 +665,35 @@ def test_a_pass_whose_first_batch_raises_is_an_epoch(samples: list[tuple[bytes, 
             assert take(iterator) == []  # it ended there
 
 
+def test_a_pass_whose_sampler_fails_at_its_start_is_an_epoch(samples: list[tuple[bytes, int]]) -> None:
+    """A sampler that raises before its first index makes iter() raise (the pass draws its first batches
+    there): that pass was no epoch, so a loop going on after the error ran the same epoch again."""
+
+    class FailsOnEpochOne:
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            if self.epoch == 1:
+                raise RuntimeError("the sampler's source is down")
+            return iter(range(len(samples)))
+
+        def __len__(self) -> int:
+            return len(samples)
+
+    sampler = FailsOnEpochOne()
+    with make(samples, sampler=sampler, shuffle=False) as loader:
+        assert len(take(loader)) == len(loader)
+        with pytest.raises(RuntimeError, match="source is down"):
+            iter(loader)
+        assert loader.state_dict()["epoch"] == 1
+        assert len(take(loader)) == len(loader)
+        assert sampler.epoch == 2  # the pass after the one that raised, as DataLoader's would be
+
+
 def test_a_padded_shards_repeated_sample_draws_another_crop_than_on_its_first_rank(
     samples: list[tuple[bytes, int]],
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 import os
 
-__all__ = ["check_count", "env_flag"]
+__all__ = ["check_count", "check_switch", "env_flag"]
 
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -20,6 +20,18 @@ def check_count(name: str, value: object, *, optional: bool = True) -> None:
         raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value!r}")
+
+
+def check_switch(name: str, value: object) -> None:
+    """Raises unless ``value`` is True or False (1, 0 and numpy's bools too).
+
+    Any object is truthy, so ``shuffle="no"`` shuffled: a switch takes what says on or off, nothing else.
+    """
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    if getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        return  # numpy.True_ and the like
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def env_flag(name: str, *, default: bool) -> bool:

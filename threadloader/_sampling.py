@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_count
+from ._checks import check_count, check_switch
 
 __all__ = ["BatchPlan", "PlannedBatch", "group_batches", "resolve_shard", "resume_groups", "shard"]
 
@@ -60,6 +60,14 @@ class BatchPlan:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
+        check_switch("shuffle", shuffle)
+        check_switch("drop_last", drop_last)
+        for name, given, of in (
+            ("sampler", sampler, "indices (a torch.utils.data.Sampler)"),
+            ("batch_sampler", batch_sampler, "lists of indices (a torch.utils.data.BatchSampler)"),
+        ):
+            if given is not None and not hasattr(type(given), "__iter__"):
+                raise TypeError(f"{name} must be an iterable of {of}, got {given!r} ({type(given).__name__})")
         if batch_sampler is not None:
             if batch_size is not None or shuffle or sampler is not None or drop_last:
                 raise ValueError(

@@ -120,8 +120,9 @@ def origin_of(data: Encoded) -> str:
 class ImageFolder:
     """A directory laid out one sub-folder per class, in torchvision's ImageFolder order.
 
-    Classes are the sorted sub-folder names, numbered from 0; files are sorted by path within each
-    class, and only regular files with an extension in :data:`IMAGE_EXTENSIONS` (any case) are kept.
+    Classes are the sorted sub-folder names, numbered from 0; within a class, each folder's own files
+    (sorted by name) come before its sub-folders' (walked in sorted order), as torchvision's, and only
+    regular files with an extension in :data:`IMAGE_EXTENSIONS` (any case) are kept.
     Anything else with such a name (a FIFO, a socket, a device, a broken link) is left out with a
     warning: reading it could block forever. Symlinked folders are followed, each real directory once
     per class; a link back to a folder it is inside (a loop) is not followed, with a warning. A class

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_count
+from ._checks import check_count, check_switch
 from ._options import DEFAULTS, Options
 from ._pipeline import Batch, BatchProducer, OnError, Outcome
 from ._runtime import Runtime
@@ -84,7 +84,7 @@ class ThreadLoader:
         rank: This process's rank: it loads shard ``rank`` of ``world_size`` (the data set's order,
             padded or cut to a multiple of ``world_size``, then every ``world_size``-th sample from
             ``rank``: ``DistributedSampler``'s rules). Default: ``torch.distributed``'s rank when it is
-            initialized, else 0.
+            initialized, else 0 with ``world_size`` 1; a ``world_size`` above 1 without it needs it.
         world_size: Number of shards; default: ``torch.distributed``'s world size when it is
             initialized, else 1.
         num_threads: Reader threads; default 2 on a GPU (decoding is serialized there and more threads
@@ -249,6 +249,7 @@ class ThreadLoader:
             rank=self.rank,
             world_size=self.world_size,
         )
+        check_switch("pin_memory", pin_memory)
         self.prefetch = prefetch
         self._stats = StatsRecorder()
         self._runtime = runtime = Runtime(
@@ -306,9 +307,13 @@ class ThreadLoader:
             epoch, progress = self._begin_pass()
             # Outside the lock: the first group (and, resuming, the groups before ``start``) comes from
             # the user's sampler, which may block (a streaming sampler waiting for work).
-            groups, drop = resume_groups(
-                progress.count(self._plan.batches(epoch)), self.decode_batch_size, progress.start
-            )
+            try:
+                groups, drop = resume_groups(
+                    progress.count(self._plan.batches(epoch)), self.decode_batch_size, progress.start
+                )
+            except Exception:  # the sampler failed at its start: a pass that raised, as in next()
+                progress.raised = True
+                raise
             with self._lock:
                 if self._closed:  # by another thread meanwhile
                     raise LoaderClosedError("this ThreadLoader was closed while its pass started")
