@@ -63,7 +63,9 @@ def test_a_waiting_thread_gets_the_gil_during_a_paced_loop(monkeypatch: pytest.M
     assert ran and ran[0] - begin < 0.1, "the waiting thread did not get the GIL during the paced loop"
 
 
-@pytest.mark.parametrize(("value", "every"), [(None, 100e-6), ("25", 25e-6), ("400.5", 400.5e-6)])
+@pytest.mark.parametrize(
+    ("value", "every"), [(None, 100e-6), ("", 100e-6), (" ", 100e-6), ("25", 25e-6), ("400.5", 400.5e-6)]
+)
 def test_the_slice_comes_from_the_environment_at_import(value: str | None, every: float) -> None:
     import os
     import subprocess

@@ -6,6 +6,7 @@ import gc
 import io
 import logging
 import os
+import pickle
 import sys
 import threading
 import tracemalloc
@@ -126,6 +127,47 @@ def test_dataset_exception_is_a_sample_error() -> None:
     if sys.version_info >= (3, 11):
         notes = "".join(caught.value.__cause__.__notes__)
         assert "in __getitem__" in notes and 'raise ZeroDivisionError("user bug")' in notes
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
+def test_an_exception_a_source_keeps_and_raises_again_keeps_one_traceback_note() -> None:
+    """A dataset that caches its failures raises one exception object every epoch: each time it was
+    detached again, and its notes grew by a traceback every epoch (memory, and an error printing them all)."""
+
+    class CachedFailure:
+        def __init__(self) -> None:
+            self.failure = OSError("shard unreachable")
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> tuple[bytes, int]:
+            if index == 3:
+                raise self.failure
+            return GOOD[index % 3], index
+
+    source = CachedFailure()
+    with ThreadLoader(source, batch_size=2, device="cpu", on_error="skip") as loader:
+        for _ in range(5):
+            assert [t.tolist() for _, t in loader] == [[0, 1], [2]]
+    notes = source.failure.__notes__
+    assert len(notes) == 1 and "raise self.failure" in notes[0]
+
+
+def test_a_sample_errors_notes_survive_pickling() -> None:
+    """Its traceback as text is a note: pickled (a logging handler, another process) it was dropped."""
+    error = SampleError(index=3, origin="a.jpg", stage="decode", reason="broken")
+    if sys.version_info >= (3, 11):
+        error.add_note("Traceback (as text; its frames released):\n  File x")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.index, copy.origin, copy.stage, copy.reason, str(copy)) == (
+        3,
+        "a.jpg",
+        "decode",
+        "broken",
+        str(error),
+    )
+    assert getattr(copy, "__notes__", None) == getattr(error, "__notes__", None)
 
 
 def _pillows_exception(data: bytes) -> BaseException:

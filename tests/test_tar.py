@@ -15,6 +15,7 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 import tarfile
 import threading
 from collections.abc import Callable
@@ -967,3 +968,13 @@ def test_auto_target_counts_a_cut_cls_member(tmp_path: Path, blobs: list[bytes])
     with pytest.raises(ShardError, match=r"target member 's1\.cls' is truncated") as info:
         source[1]
     assert info.value.member == "s1.cls"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
+def test_a_shard_error_pickles_with_its_fields_and_notes() -> None:
+    """Its notes (a traceback kept as text) were dropped by pickle and copy."""
+    error = ShardError("a.tar: damaged", shard="a.tar", member="a.tar:s0.jpg")
+    error.add_note("Traceback (as text; its frames released):\n  File x")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (str(copy), copy.shard, copy.member) == (str(error), "a.tar", "a.tar:s0.jpg")
+    assert copy.__notes__ == error.__notes__

@@ -29,8 +29,8 @@ SLICE_ENV = "THREADLOADER_GIL_SLICE_US"
 
 
 def _slice() -> float:
-    value = os.environ.get(SLICE_ENV)
-    if value is None:
+    value = os.environ.get(SLICE_ENV, "")
+    if not value.strip():  # unset or empty: the default, as for the library's other variables
         return 100e-6
     try:
         micros = float(value)

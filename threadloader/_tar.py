@@ -79,7 +79,7 @@ class ShardError(ThreadLoaderError):
         self.member = member
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_shard_error, (str(self), self.shard, self.member))
+        return (_rebuild_shard_error, (str(self), self.shard, self.member), self.__dict__)
 
 
 def _rebuild_shard_error(message: str, shard: str, member: str | None) -> ShardError:

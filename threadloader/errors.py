@@ -52,8 +52,9 @@ class SampleError(ThreadLoaderError):
         return cls(index=index, origin=origin, stage=stage, reason=f"{type(exc).__name__}: {exc}")
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Keyword-only __init__ would otherwise break copy/pickle of the exception (pytest, logging).
-        return (_rebuild_sample_error, (self.index, self.origin, self.stage, self.reason))
+        # Keyword-only __init__ would otherwise break copy/pickle of the exception (pytest, logging); the
+        # instance's dict carries its notes (the traceback ``detached`` keeps as text) across.
+        return (_rebuild_sample_error, (self.index, self.origin, self.stage, self.reason), self.__dict__)
 
 
 def _rebuild_sample_error(index: int, origin: str, stage: str, reason: str) -> SampleError:
@@ -78,12 +79,31 @@ def detached(exc: BaseException, *, as_text: bool = True) -> BaseException:
             continue
         seen.add(id(current))
         if current.__traceback__ is not None:
-            if as_text and hasattr(current, "add_note"):
+            if as_text:
                 frames = "".join(traceback.format_tb(current.__traceback__)).rstrip()
-                current.add_note(f"Traceback (as text; its frames released):\n{frames}")
+                _note_once(current, f"{_TRACEBACK_NOTE}\n{frames}")
             current.__traceback__ = None
         pending += [current.__cause__, current.__context__]
     return exc
+
+
+_TRACEBACK_NOTE = "Traceback (as text; its frames released):"
+
+
+def _note_once(exc: BaseException, note: str) -> None:
+    """Adds ``note`` to ``exc``, in place of a traceback note an earlier raise of it left.
+
+    A source may raise one exception it keeps (a dataset caching its failures): each raise detached
+    it again, and its notes grew by a traceback every epoch.
+    """
+    if not hasattr(exc, "add_note"):  # Python 3.10: no notes, the text is dropped
+        return
+    notes: list[str] = getattr(exc, "__notes__", [])
+    for i, old in enumerate(notes):
+        if old.startswith(_TRACEBACK_NOTE):
+            notes[i] = note
+            return
+    exc.add_note(note)
 
 
 class LoaderClosedError(ThreadLoaderError):

@@ -443,6 +443,8 @@ class ThreadLoader:
             if saved.get(name) != value
         ]
         seed, epoch, batches = (_count_in(state, key) for key in ("seed", "epoch", "batches"))
+        if seed >= 2**64:  # the constructor's bound: the draws use its low 64 bits (seed=0's, for 2**64)
+            raise ValueError(f"a ThreadLoader state's seed is below 2**64, got {seed} (damaged state)")
         if self._seed_given and seed != self._plan.seed:
             mismatches.append(
                 f"seed: the state's {seed}, this loader's {self._plan.seed} (pass seed={seed}, or seed=None "
