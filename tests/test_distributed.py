@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,11 +121,18 @@ def test_bad_rank_or_world_size_is_refused(
         ThreadLoader(samples, device="cpu", **options)
 
 
-def test_device_none_under_torchrun_is_the_local_rank_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fake_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CUDA GPUs and nvImageCodec, as resolve_device sees them (none is touched)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(device_module, "_nvimgcodec_installed", lambda: True)
+
+
+def test_device_none_under_torchrun_is_the_local_rank_gpu(
+    monkeypatch: pytest.MonkeyPatch, fake_two_gpus: None
+) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert device_module.resolve_device(None) == torch.device("cuda", 1)
     assert device_module.resolve_device("cuda") == torch.device("cuda", 0)  # explicit: the current one
@@ -132,6 +140,25 @@ def test_device_none_under_torchrun_is_the_local_rank_gpu(monkeypatch: pytest.Mo
     assert device_module.resolve_device(None) == torch.device("cuda", 0)
     monkeypatch.delenv("LOCAL_RANK")
     assert device_module.resolve_device(None) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("local_rank", [" 1", "1\n", "01"])
+def test_a_local_rank_is_read_as_the_integer_it_spells(
+    monkeypatch: pytest.MonkeyPatch, fake_two_gpus: None, local_rank: str
+) -> None:
+    """A space or newline around it put every rank on GPU 0; "01" raised about 'cuda:01', never passed."""
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert device_module.resolve_device(None) == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("local_rank", ["abc", "-1", "1.0", "\u00b2"])
+def test_a_local_rank_that_is_not_one_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, fake_two_gpus: None, local_rank: str
+) -> None:
+    """They were the current GPU (GPU 0 for every rank), or for a superscript two int()'s error."""
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with pytest.raises(ValueError, match=rf"^LOCAL_RANK must be .* got {re.escape(repr(local_rank))}; "):
+        device_module.resolve_device(None)
 
 
 def _rank_main(rank: int, world_size: int, init: str, samples: list[tuple[bytes, int]], out: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +153,21 @@ def test_a_switch_of_another_value_is_refused_naming_it(monkeypatch: pytest.Monk
         warm_up_wanted()
 
 
+@pytest.mark.parametrize("variable", ["THREADLOADER_REGION_DECODE", "THREADLOADER_WARMUP"])
+@pytest.mark.parametrize("front_end", ["loader", "service"])
+def test_a_switch_of_another_value_is_refused_on_the_cpu_too(
+    monkeypatch: pytest.MonkeyPatch, variable: str, front_end: str
+) -> None:
+    """Both were read on the GPU path alone: with "flase" a front end on the CPU was built without
+    complaint, and the same script raised on a GPU machine."""
+    monkeypatch.setenv(variable, "flase")
+    with pytest.raises(ValueError, match=rf"^{variable} must be 1 or 0 .*, got 'flase'$"):
+        if front_end == "loader":
+            ThreadLoader([b"x"], batch_size=1, device="cpu")
+        else:
+            BatchDecoder(device="cpu")
+
+
 def test_a_normalize_before_any_float_conversion_is_refused_when_built() -> None:
     """Decoders give uint8: it raised "normalize needs float images" at the first batch."""
     from threadloader.transforms import Normalize, Resize, ToDtype
@@ -178,3 +195,54 @@ def test_a_device_index_is_a_cuda_devices_and_one_torch_would_wrap_is_refused(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"device='cuda:0' but no CUDA GPU is usable here"):
         _device.resolve_device(0)
+
+
+def test_a_device_index_torch_reads_as_none_is_refused() -> None:
+    """``'cuda:255'``, ``255`` and ``'cuda:511'`` were cuda:0 (the current GPU): torch reads an index of
+    255 (mod 256) as none, which the check of a wrapped index let through."""
+    import numpy as np
+
+    from threadloader import _device
+
+    for wrapped in ("cuda:255", 255, np.int64(255), "cuda:511"):
+        with pytest.raises(
+            ValueError, match=rf"^device={re.escape(repr(wrapped))} names a CUDA device index that torch"
+        ):
+            _device.parse_device(wrapped)  # type: ignore[arg-type]
+    # What names no index, or one torch holds, is taken as before.
+    assert _device.parse_device("cuda") == torch.device("cuda")
+    assert _device.parse_device(torch.device("cuda")) == torch.device("cuda")
+    assert _device.parse_device("cpu:0") == torch.device("cpu")
+    assert _device.parse_device("cuda:0") == torch.device("cuda", 0)
+    assert _device.parse_device(127) == torch.device("cuda", 127)
+
+
+@pytest.mark.parametrize("cuda", ["11.8", None, "12.4", "13.0"])
+def test_the_cpu_fallback_warning_names_only_extras_pyproject_defines(
+    monkeypatch: pytest.MonkeyPatch, cuda: str | None
+) -> None:
+    """With a torch for CUDA 11.8 it said ``pip install -e '.[cu11]'``, an extra that does not exist, and
+    with one of no CUDA version (ROCm) it suggested nvImageCodec, whose wheels are for CUDA 12 and 13."""
+    from threadloader import CPUFallbackWarning, _device
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as file:
+        extras = set(tomllib.load(file)["project"]["optional-dependencies"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(_device, "_nvimgcodec_installed", lambda: False)
+    with pytest.warns(CPUFallbackWarning) as warned:
+        assert _device.resolve_device(None) == torch.device("cpu")
+    (warning,) = warned
+    message = str(warning.message)
+    named = set(re.findall(r"'\.\[(\w+)\]'", message))
+    assert named <= extras, message
+    assert "pass device='cpu'" in message
+    if cuda in ("12.4", "13.0"):
+        major = cuda.split(".")[0]
+        assert named == {f"cu{major}"}
+        assert f"pip install 'nvidia-nvimgcodec-cu{major}[nvjpeg]'" in message
+    else:
+        assert not named, message
+        assert "install a torch built for CUDA 12 or 13" in message
+        assert (f"built for CUDA {cuda}" if cuda else "has no CUDA version") in message

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import gc
 import json
+import logging
 import queue
 import subprocess
 import sys
@@ -859,10 +860,12 @@ def test_a_cancelled_requests_callback_raising_system_exit_leaves_the_others_can
     assert batcher.stats().cancelled == 3
 
 
-def test_a_request_its_caller_finished_while_queued_is_withdrawn() -> None:
+def test_a_request_its_caller_finished_while_queued_is_withdrawn(caplog: pytest.LogCaptureFixture) -> None:
     """A caller that gave up with future.set_exception() while its request was queued: the worker's
     set_running_or_notify_cancel() raised RuntimeError, which ended the worker with its requests
-    unanswered and every later one waiting forever."""
+    unanswered and every later one waiting forever; then, caught, it still logged a CRITICAL "Future ...
+    in unexpected state: FINISHED" from concurrent.futures for each such request."""
+    caplog.set_level(logging.DEBUG, logger="concurrent.futures")
     started, release = threading.Event(), threading.Event()
 
     def slow(items: list[int]) -> list[int]:
@@ -877,8 +880,9 @@ def test_a_request_its_caller_finished_while_queued_is_withdrawn() -> None:
         given_up.set_exception(TimeoutError("gave up"))
         later = batcher.submit(3)
         release.set()
-        assert (first.result(5), later.result(5)) == (10, 30)
+        assert (first.result(5), later.result(5)) == (10, 30)  # the worker has passed the given-up one
         assert batcher.stats().cancelled == 1
+    assert [record.getMessage() for record in caplog.records if record.name == "concurrent.futures"] == []
 
 
 def test_a_request_its_caller_finished_while_running_leaves_the_rest_of_its_batch_answered() -> None:

@@ -50,9 +50,11 @@ def parse_device(device: str | torch.device | int) -> torch.device:
         given = int(device.rpartition(":")[2])
     else:
         given = None  # a torch.device holds what torch holds
-    if given is not None and parsed.index is not None and given != parsed.index:
+    # An index of 255 (mod 256) comes back as None, the current GPU: it is compared too.
+    if given is not None and given != parsed.index:
         raise ValueError(
-            f"device={device!r} names a CUDA device index that torch cannot hold (it read {parsed})"
+            f"device={device!r} names a CUDA device index that torch cannot hold (it read {parsed}); "
+            "pass the index of one of this machine's GPUs"
         )
     if parsed.type == "cpu":
         return torch.device("cpu")
@@ -72,35 +74,63 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     Raises:
         RuntimeError: For a CUDA device on a machine where none is usable.
         ImportError: For a CUDA device without nvImageCodec installed.
+        ValueError: For ``device=None`` with a GPU and a ``LOCAL_RANK`` that is not a rank.
     """
     if device is None:
         if not torch.cuda.is_available():
             return torch.device("cpu")
         if not _nvimgcodec_installed():
-            major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-            extra = (
-                f"'nvidia-nvimgcodec-cu{major}[nvjpeg]'"
-                if major in (12, 13)
-                else "'nvidia-nvimgcodec-cu13[nvjpeg]' (CUDA 13) or '-cu12[nvjpeg]' (CUDA 12)"
-            )
             warnings.warn(
                 "a CUDA GPU is available, but nvImageCodec is not installed, so images are decoded on the "
-                f"CPU: pip install {extra} (in a threadloader checkout: pip install -e '.[cu{major or 13}]') "
-                "to decode on the GPU, or pass device='cpu' to decode on the CPU without this warning",
+                f"CPU: {_gpu_decoding_advice()}, or pass device='cpu' to decode on the CPU without this "
+                "warning",
                 CPUFallbackWarning,
                 stacklevel=4,  # the user's ThreadLoader(...) or BatchDecoder(...), through Runtime
             )
             return torch.device("cpu")
-        local_rank = os.environ.get("LOCAL_RANK", "")
-        device = (
-            f"cuda:{local_rank}"
-            if local_rank.isdigit() and int(local_rank) < torch.cuda.device_count()
-            else "cuda"
-        )
+        device = _local_rank_device()
     resolved = usable(parse_device(device))
     if resolved.type == "cuda":
         check_cuda_versions()
     return resolved
+
+
+def _gpu_decoding_advice() -> str:
+    """How to decode on the GPU here: nvImageCodec's wheels, and the pip extras, are for CUDA 12 and 13."""
+    cuda = torch.version.cuda
+    major = int(cuda.split(".")[0]) if cuda else None
+    if major in (12, 13):
+        return (
+            f"pip install 'nvidia-nvimgcodec-cu{major}[nvjpeg]' (in a threadloader checkout: "
+            f"pip install -e '.[cu{major}]') to decode on the GPU"
+        )
+    built = f"is built for CUDA {cuda}" if cuda else "has no CUDA version (a ROCm build)"
+    return (
+        f"nvImageCodec's wheels are for CUDA 12 and 13, and this torch {built}; "
+        "to decode on the GPU, install a torch built for CUDA 12 or 13, then "
+        "pip install 'nvidia-nvimgcodec-cu12[nvjpeg]' or '-cu13[nvjpeg]' to match it"
+    )
+
+
+def _local_rank_device() -> str:
+    """``device=None``'s GPU with one: ``cuda:LOCAL_RANK`` under torchrun, else the current one.
+
+    Also the current one for a ``LOCAL_RANK`` past the visible GPUs (a launcher that gives each process
+    its own). Surrounding spaces are dropped (``" 1"`` was GPU 0 for every rank).
+
+    Raises:
+        ValueError: For a ``LOCAL_RANK`` that is not a non-negative integer, naming it.
+    """
+    local_rank = os.environ.get("LOCAL_RANK", "").strip()
+    if not local_rank:
+        return "cuda"
+    if not (local_rank.isascii() and local_rank.isdecimal()):
+        raise ValueError(
+            f"LOCAL_RANK must be this process's local rank, a non-negative integer, got "
+            f"{os.environ['LOCAL_RANK']!r}; unset it, fix its launcher, or pass device= explicitly"
+        )
+    index = int(local_rank)
+    return f"cuda:{index}" if index < torch.cuda.device_count() else "cuda"
 
 
 def usable(device: torch.device) -> torch.device:

@@ -64,11 +64,16 @@ class Runtime:
         readers: One CUDA stream per reader thread (nothing on the CPU).
 
     Raises:
-        ValueError: For a ``device`` another than the decoder passed in decodes on, or an nvImageCodec
-            ``backend`` on the CPU.
+        ValueError: For a ``device`` another than the decoder passed in decodes on, an nvImageCodec
+            ``backend`` on the CPU, or a ``THREADLOADER_REGION_DECODE`` or ``THREADLOADER_WARMUP`` that
+            is not 1 or 0 (on every device).
     """
 
     def __init__(self, options: Options, *, batch_size: int, decode_batch_size: int | None = None) -> None:
+        # Both read here on every device, though only a GPU decoder uses them: a typo in either raised on
+        # a GPU machine only, after the script had run without complaint on the CPU.
+        options.regions()
+        warm_up = warm_up_wanted()
         self.options = options
         decoder = options.decoder
         self.device = resolve_device(options.device) if decoder is None else _device_of(decoder, options)
@@ -88,7 +93,7 @@ class Runtime:
                 options, self.device, threads=self.num_threads, batch=self.decode_batch_size
             )
         self.decoder = decoder
-        if self.decoder.warms_up and warm_up_wanted():
+        if self.decoder.warms_up and warm_up:
             # Loads the decoder, on the readers' streams, while the caller builds the rest; meanwhile
             # the readers decode with Pillow, copied to the GPU.
             self._warmup = Warmup(

@@ -328,10 +328,14 @@ def cancel(future: Future[Any]) -> None:
 def _start(future: Future[Any]) -> bool:
     """Marks a queued request's future running: ``False`` if it was cancelled or finished while queued.
 
-    A future its caller finished itself (``set_exception`` on giving up) raised ``RuntimeError`` here,
-    which ended the worker thread with its micro-batch unanswered and the service stopped.
+    A future its caller finished itself (``set_exception`` on giving up) is withdrawn as a cancelled one
+    is, without ``set_running_or_notify_cancel``: on it that raised ``RuntimeError`` (which ended the
+    worker thread) and logged a CRITICAL "in unexpected state" line per request given up. A cancelled one
+    goes through it, which tells ``concurrent.futures.wait`` and ``as_completed``.
     """
+    if future.done() and not future.cancelled():
+        return False
     try:
         return future.set_running_or_notify_cancel()
-    except RuntimeError:  # finished by its holder: withdrawn, as a cancelled one is
+    except RuntimeError:  # finished by its holder since the check: withdrawn too
         return False
