@@ -860,6 +860,38 @@ def test_a_cancelled_requests_callback_raising_system_exit_leaves_the_others_can
     assert batcher.stats().cancelled == 3
 
 
+@pytest.mark.parametrize("how", ["cancelled by its caller", "dropped by close"])
+def test_a_request_cancelled_while_queued_wakes_concurrent_futures_wait(how: str) -> None:
+    """cancel() alone does not wake concurrent.futures.wait or as_completed (an executor's taking the
+    work does, which a request that leaves the queue never gets): wait([future]) never returned."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(items: list[int]) -> list[int]:
+        started.set()
+        release.wait(10)
+        return items
+
+    batcher = MicroBatcher(slow, max_batch=1, max_delay_ms=0, num_threads=1)
+    try:
+        running = batcher.submit(1)
+        assert started.wait(5)
+        queued = batcher.submit(2)
+        closing = threading.Thread(target=batcher.close, kwargs={"cancel_pending": True})
+        if how == "cancelled by its caller":
+            assert queued.cancel()
+        else:
+            closing.start()  # it waits for the running batch; the queued one is dropped at once
+        done, _ = concurrent.futures.wait([queued], timeout=5)
+        assert done == {queued} and queued.cancelled()
+        assert list(concurrent.futures.as_completed([queued], timeout=5)) == [queued]
+    finally:
+        release.set()
+        batcher.close()
+    if closing.ident is not None:
+        closing.join(10)
+    assert running.result(5) == 1 and batcher.stats().cancelled == 1
+
+
 def test_a_request_its_caller_finished_while_queued_is_withdrawn(caplog: pytest.LogCaptureFixture) -> None:
     """A caller that gave up with future.set_exception() while its request was queued: the worker's
     set_running_or_notify_cancel() raised RuntimeError, which ended the worker with its requests

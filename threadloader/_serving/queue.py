@@ -174,6 +174,8 @@ class RequestQueue:
                 waiter.wake()
         for request in dropped:  # outside the lock: cancel() runs the callers' done-callbacks
             cancel(request.future)
+            if request.future.cancelled():
+                _notify_cancelled(request.future)
 
     def counts(self) -> dict[str, Any]:
         """Requests queued now, and the queue's counters, read together."""
@@ -243,13 +245,14 @@ class RequestQueue:
             return
         with self._lock:
             # O(queue), within max_queue; not found: already taken by gather (and counted there) or
-            # dropped by close.
+            # dropped by close (which notifies it).
             at = next((at for at, request in enumerate(self._items) if request.future is future), None)
             if at is None:
                 return
             del self._items[at]
             self.cancelled += 1
             self._freed()
+        _notify_cancelled(future)
 
     def _freed(self) -> None:
         """A slot was freed (under the lock): handed to the first in line, if anyone waits for one.
@@ -323,6 +326,17 @@ def cancel(future: Future[Any]) -> None:
         raise
     except BaseException:
         logger.exception("a done-callback of a cancelled request raised; the other requests go on")
+
+
+def _notify_cancelled(future: Future[Any]) -> None:
+    """Tells ``concurrent.futures.wait`` and ``as_completed`` that a request cancelled while queued is done.
+
+    ``cancel()`` alone does not: their waiters hear of a cancel only from the future's
+    ``set_running_or_notify_cancel()``, which an executor calls as it takes the work, and a request
+    that leaves the queue is never taken (``wait([future])`` never returned). Called once per future,
+    by whichever took it off the queue (under the queue's lock, so only one does).
+    """
+    future.set_running_or_notify_cancel()
 
 
 def _start(future: Future[Any]) -> bool:
