@@ -105,7 +105,7 @@ def _check_device(device: str | None) -> str | None:
             # The library would warn, naming device='cpu': one line in the command's words instead.
             print(
                 f"{PROG}: note: a CUDA GPU is here, but nvImageCodec is not installed, so images are decoded "
-                f"on the CPU: pip install {_nvimgcodec_package()} to decode on the GPU; --device cpu decodes "
+                f"on the CPU: {devices.gpu_decoding_advice()}; --device cpu decodes "
                 "on the CPU without this note",
                 file=sys.stderr,
             )
@@ -128,17 +128,9 @@ def _check_device(device: str | None) -> str | None:
     if not devices._nvimgcodec_installed():
         raise UsageError(
             f"--device {device} decodes on the GPU, which needs nvImageCodec, not installed here: "
-            f"pip install {_nvimgcodec_package()}; or use --device cpu"
+            f"{devices.gpu_decoding_advice()}; or use --device cpu"
         )
     return device
-
-
-def _nvimgcodec_package() -> str:
-    """The nvImageCodec package for torch's CUDA, as pip names it."""
-    major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-    if major in (12, 13):
-        return f"'nvidia-nvimgcodec-cu{major}[nvjpeg]' (torch's CUDA is {torch.version.cuda})"
-    return "'nvidia-nvimgcodec-cu13[nvjpeg]' for CUDA 13 or 'nvidia-nvimgcodec-cu12[nvjpeg]' for CUDA 12"
 
 
 def _parser() -> argparse.ArgumentParser:

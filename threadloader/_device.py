@@ -18,7 +18,7 @@ from ._workers import available_cpus
 from .decode.nvimgcodec import check_cuda_versions
 from .errors import CPUFallbackWarning
 
-__all__ = ["available_cpus", "parse_device", "resolve_device", "usable"]
+__all__ = ["available_cpus", "gpu_decoding_advice", "parse_device", "resolve_device", "usable"]
 
 
 def _nvimgcodec_installed() -> bool:
@@ -82,7 +82,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
         if not _nvimgcodec_installed():
             warnings.warn(
                 "a CUDA GPU is available, but nvImageCodec is not installed, so images are decoded on the "
-                f"CPU: {_gpu_decoding_advice()}, or pass device='cpu' to decode on the CPU without this "
+                f"CPU: {gpu_decoding_advice()}, or pass device='cpu' to decode on the CPU without this "
                 "warning",
                 CPUFallbackWarning,
                 stacklevel=4,  # the user's ThreadLoader(...) or BatchDecoder(...), through Runtime
@@ -95,7 +95,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device:
     return resolved
 
 
-def _gpu_decoding_advice() -> str:
+def gpu_decoding_advice() -> str:
     """How to decode on the GPU here: nvImageCodec's wheels, and the pip extras, are for CUDA 12 and 13."""
     cuda = torch.version.cuda
     major = int(cuda.split(".")[0]) if cuda else None
