@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, Subset
 from . import ImageFolder, TarShards, ThreadLoader, ThreadLoaderError
 from . import _device as devices
 from ._encoded import IMAGE_EXTENSIONS
-from ._sources import Source, _is_folder
+from ._sources import Source, is_folder
 from ._tar import is_shard_spec
 
 PROG = "python -m threadloader"
@@ -227,7 +227,7 @@ def _folder(path: str, *, allow_empty: bool = False) -> Source:
     """
     with os.scandir(path) as entries:
         listed = sorted(entries, key=lambda entry: entry.name)
-    folders = [entry.name for entry in listed if _is_folder(entry)]
+    folders = [entry.name for entry in listed if is_folder(entry)]
     folder: ImageFolder | None = None
     if folders:  # a flat folder is not listed twice
         with contextlib.suppress(FileNotFoundError):  # no sub-folder holds images (or each is a link loop)

@@ -166,7 +166,7 @@ class OutputFormat:
         """
         source = batch[0].dtype
         if self.dtype == torch.uint8:
-            work_dtype = batch[0].dtype
+            work_dtype = source
         else:
             work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if regions is not None:

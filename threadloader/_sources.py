@@ -37,6 +37,7 @@ __all__ = [
     "Source",
     "as_source",
     "fetch_batch",
+    "is_folder",
     "origin_of",
     "read_batch",
 ]
@@ -146,7 +147,7 @@ class ImageFolder:
             what = "is not a directory" if self.root.exists() else "does not exist"
             raise NotADirectoryError(f"ImageFolder root {str(self.root)!r} {what}")
         with os.scandir(self.root) as scan:
-            self.classes = sorted(entry.name for entry in scan if _is_folder(entry) and not _loops(entry))
+            self.classes = sorted(entry.name for entry in scan if is_folder(entry) and not _loops(entry))
         if not self.classes:
             shards = any(is_shard_spec(name) for name in os.listdir(self.root))
             flat = (
@@ -188,7 +189,7 @@ class ImageFolder:
         return f"ImageFolder({str(self.root)!r}, classes={len(self.classes)}, samples={len(self.samples)})"
 
 
-def _is_folder(entry: os.DirEntry[str]) -> bool:
+def is_folder(entry: os.DirEntry[str]) -> bool:
     """Whether ``entry`` is a folder, through links; a link that loops (ELOOP) or fails is not one."""
     try:
         return entry.is_dir()
@@ -231,7 +232,7 @@ def _image_files(top: str) -> list[str]:
             continue
         folders = []
         for entry in entries:
-            if _is_folder(entry):
+            if is_folder(entry):
                 if not _loops(entry):
                     folders.append(entry.path)
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
