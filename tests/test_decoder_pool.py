@@ -377,8 +377,8 @@ def test_jpeg_fancy_upsampling_is_refused_beside_a_decoder_of_ones_own() -> None
 
     with pytest.raises(ValueError, match="jpeg_fancy_upsampling configure the built-in decoder"):
         ThreadLoader([], decoder=PillowDecoder(), jpeg_fancy_upsampling=False)
-    with pytest.raises(TypeError, match="jpeg_fancy_upsampling must be True or False, got 1"):
-        ThreadLoader([], decoder=PillowDecoder(), jpeg_fancy_upsampling=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="jpeg_fancy_upsampling must be True or False, got 2"):
+        ThreadLoader([], decoder=PillowDecoder(), jpeg_fancy_upsampling=2)  # type: ignore[arg-type]
 
 
 def test_the_gpu_decoder_takes_only_a_bool_for_upsampling() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -584,6 +585,9 @@ def test_a_switch_takes_true_or_false_only(
 def test_a_switch_takes_bools_ints_and_numpys_bools(indexed: list[tuple[bytes, int]], value: object) -> None:
     with ThreadLoader(indexed, device="cpu", batch_size=3, shuffle=value, drop_last=value) as loader:
         assert len(loader) == (len(indexed) // 3 if value else -(-len(indexed) // 3))
+        # Kept as plain bools: a state dict with numpy's True in it could not be saved as JSON.
+        arguments = json.loads(json.dumps(loader.state_dict()))["arguments"]
+        assert (arguments["shuffle"], arguments["drop_last"]) == (bool(value), bool(value))
 
 
 @pytest.mark.parametrize("name", ["sampler", "batch_sampler"])

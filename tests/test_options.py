@@ -12,6 +12,7 @@ import inspect
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,17 @@ def test_the_defaults_derive_what_the_user_left_unset(monkeypatch: pytest.Monkey
     assert isinstance(build_decoder(DEFAULTS, torch.device("cpu"), threads=2, batch=64), PillowDecoder)
 
 
+@pytest.mark.parametrize("on", [1, np.True_])
+def test_switches_given_as_ints_or_numpy_bools_are_kept_as_plain_bools(on: object) -> None:
+    """1 and numpy's True are on, as for DataLoader's shuffle; what is kept is a bool, not the object."""
+    off = 0 if on == 1 and not isinstance(on, np.bool_) else np.False_
+    options = Options(size=(8, 8), channels_last=on, jpeg_fancy_upsampling=off, region_decode=on)  # type: ignore[arg-type]
+    kept = (options.channels_last, options.jpeg_fancy_upsampling, options.region_decode)
+    assert kept == (True, False, True)
+    assert [type(value) for value in kept] == [bool, bool, bool]
+    assert type(options.output_format().channels_last) is bool
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
@@ -77,9 +89,10 @@ def test_the_defaults_derive_what_the_user_left_unset(monkeypatch: pytest.Monkey
         ({"decode_threads": 0}, ValueError, "decode_threads must be at least 1, got 0"),
         ({"decode_threads": 2.0}, ValueError, r"decode_threads must be an int or None, got 2\.0 \(float\)"),
         ({"num_threads": 0}, ValueError, "num_threads must be at least 1, got 0"),
-        ({"jpeg_fancy_upsampling": 1}, TypeError, "jpeg_fancy_upsampling must be True or False, got 1"),
+        ({"jpeg_fancy_upsampling": 2}, TypeError, "jpeg_fancy_upsampling must be True or False, got 2"),
         ({"region_decode": "no"}, TypeError, "region_decode must be True, False or None, got 'no'"),
         ({"region_decode": 1.0}, TypeError, "region_decode must be True, False or None, got 1.0"),
+        ({"region_decode": 2}, TypeError, "region_decode must be True, False or None, got 2"),
         ({"channels_last": "no", "size": (8, 8)}, TypeError, "channels_last must be True or False, got 'no'"),
         ({"transform": "flip"}, TypeError, "str is not a threadloader transform"),
     ],

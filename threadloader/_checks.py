@@ -22,16 +22,19 @@ def check_count(name: str, value: object, *, optional: bool = True) -> None:
         raise ValueError(f"{name} must be at least 1, got {value!r}")
 
 
-def check_switch(name: str, value: object) -> None:
-    """Raises unless ``value`` is True or False (1, 0 and numpy's bools too).
+def check_switch(name: str, value: object, *, also: str = "") -> bool:
+    """``value`` as a bool; raises unless it is True or False (1, 0 and numpy's bools too).
 
     Any object is truthy, so ``shuffle="no"`` shuffled: a switch takes what says on or off, nothing else.
+    What it returns is a plain bool, so a numpy bool does not travel into a state dict or a log line.
+    ``also`` names what else the caller takes, for the message (``"or None"``).
     """
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
-        return
+        return bool(value)
     if getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", None) == "b":
-        return  # numpy.True_ and the like
-    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+        return bool(value)  # numpy.True_ and the like
+    accepted = f"True, False {also}" if also else "True or False"
+    raise TypeError(f"{name} must be {accepted}, got {value!r} ({type(value).__name__})")
 
 
 def env_flag(name: str, *, default: bool) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_count, env_flag
+from ._checks import check_count, check_switch, env_flag
 from ._device import available_cpus
 from ._output import OutputFormat
 from .decode.base import DEFAULT_MAX_PIXELS, ImageDecoder, check_pixel_limit
@@ -75,7 +75,8 @@ class Options:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transform", as_transform(self.transform))
-        self.output_format()  # checks size, dtype, mean, std and channels_last
+        # Checks size, dtype, mean, std and channels_last, and keeps the last as a plain bool.
+        object.__setattr__(self, "channels_last", self.output_format().channels_last)
         _check_normalize_on_floats(self.chain)
         normalize = _normalized_by(self.chain)
         if normalize is not None and not self.dtype.is_floating_point:
@@ -91,8 +92,13 @@ class Options:
             decode_threads=self.decode_threads,
             jpeg_fancy_upsampling=self.jpeg_fancy_upsampling,
         )
-        if not (self.region_decode is None or isinstance(self.region_decode, bool)):  # 1.0 == True
-            raise TypeError(f"region_decode must be True, False or None, got {self.region_decode!r}")
+        object.__setattr__(
+            self, "jpeg_fancy_upsampling", check_switch("jpeg_fancy_upsampling", self.jpeg_fancy_upsampling)
+        )
+        if self.region_decode is not None:  # None: decided by the transform
+            object.__setattr__(
+                self, "region_decode", check_switch("region_decode", self.region_decode, also="or None")
+            )
         if self.decoder is not None:
             if not isinstance(self.decoder, ImageDecoder):
                 raise TypeError(

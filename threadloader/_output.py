@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_switch
 from .decode.base import Region
 from .transforms._checks import check_std
 from .transforms._kernels import resample
@@ -73,8 +74,7 @@ class OutputFormat:
             check_std(tuple(std), torch.float64 if self.dtype == torch.float64 else torch.float32)
             object.__setattr__(self, "mean", mean)
             object.__setattr__(self, "std", std)
-        if not isinstance(self.channels_last, bool):  # "no" would turn it on
-            raise TypeError(f"channels_last must be True or False, got {self.channels_last!r}")
+        object.__setattr__(self, "channels_last", check_switch("channels_last", self.channels_last))
         if self.channels_last and self.size is None:
             raise ValueError("channels_last needs size=(H, W): it is a layout of stacked 4-D batches")
 

@@ -60,8 +60,8 @@ class BatchPlan:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        check_switch("shuffle", shuffle)
-        check_switch("drop_last", drop_last)
+        shuffle = check_switch("shuffle", shuffle)
+        drop_last = check_switch("drop_last", drop_last)
         for name, given, of in (
             ("sampler", sampler, "indices (a torch.utils.data.Sampler)"),
             ("batch_sampler", batch_sampler, "lists of indices (a torch.utils.data.BatchSampler)"),

@@ -249,7 +249,7 @@ class ThreadLoader:
             rank=self.rank,
             world_size=self.world_size,
         )
-        check_switch("pin_memory", pin_memory)
+        pin_memory = check_switch("pin_memory", pin_memory)
         self.prefetch = prefetch
         self._stats = StatsRecorder()
         self._runtime = runtime = Runtime(

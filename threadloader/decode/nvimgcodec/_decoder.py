@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._checks import check_count, env_flag
+from ..._checks import check_count, check_switch, env_flag
 from ..._stats import StatsRecorder
 from ..base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, StageRecorder
 from . import _capi
@@ -98,8 +98,7 @@ def check_options(
     check_count("gpu_decoders", gpu_decoders, optional=False)
     check_count("decode_threads", decode_threads)
     check_count("batch_size", batch_size, optional=False)
-    if not isinstance(jpeg_fancy_upsampling, bool):
-        raise TypeError(f"jpeg_fancy_upsampling must be True or False, got {jpeg_fancy_upsampling!r}")
+    check_switch("jpeg_fancy_upsampling", jpeg_fancy_upsampling)
 
 
 #: Devices on which a decoder of this process has started nvImageCodec (its engine chosen and first
@@ -192,7 +191,7 @@ class NvImageCodecDecoder(ImageDecoder):
         self.device = device
         self.backend = backend
         self.decode_threads = decode_threads
-        self.jpeg_fancy_upsampling = jpeg_fancy_upsampling
+        self.jpeg_fancy_upsampling = bool(jpeg_fancy_upsampling)
         self.max_pixels = max_pixels
         self.region_decode = region_decode
         self.gpu_decoders = gpu_decoders
