@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import struct
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -401,3 +403,99 @@ def test_an_8_bit_ppm_is_pillows() -> None:
     rgb = np.random.default_rng(4).integers(0, 256, (4, 6, 3), dtype=np.uint8)
     ppm = b"P6 6 4 255\n" + rgb.tobytes()
     assert np.array_equal(pillow.decode_rgb(ppm), rgb)
+
+
+def _with_exif(jpeg: bytes, tiff: bytes) -> bytes:
+    """``jpeg`` with an APP1 EXIF segment holding the little-endian TIFF structure ``tiff``."""
+    payload = b"Exif\0\0" + tiff
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
+
+
+#: What each EXIF orientation shows, as numpy turns an (H, W, 3) array (the EXIF specification's).
+UPRIGHT = {
+    1: lambda a: a,
+    2: lambda a: a[:, ::-1],
+    3: lambda a: a[::-1, ::-1],
+    4: lambda a: a[::-1],
+    5: lambda a: a.transpose(1, 0, 2),
+    6: lambda a: np.rot90(a, -1),
+    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
+    8: lambda a: np.rot90(a, 1),
+}
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orientation_is_applied_whatever_else_the_exif_holds(orientation: int) -> None:
+    """A phone photo below sea level stores its GPS altitude as a negative SRATIONAL. Pillow reads it,
+    but ImageOps.exif_transpose, which wrote the EXIF back without the orientation, raised on it
+    (struct.error): a photo that any viewer shows failed to decode."""
+    pixels = photo(24, 40, 9)
+    jpeg = encode(pixels, "JPEG", quality=95)
+    gps_at = 8 + 2 + 2 * 12 + 4  # after the first directory: orientation and the GPS pointer
+    altitude_at = gps_at + 2 + 12 + 4
+    tiff = (
+        b"II*\0" + struct.pack("<I", 8)
+        + struct.pack("<H", 2)
+        + struct.pack("<HHIHH", 0x0112, 3, 1, orientation, 0)  # Orientation, SHORT
+        + struct.pack("<HHII", 0x8825, 4, 1, gps_at)  # GPSInfo IFD, LONG
+        + b"\0\0\0\0"
+        + struct.pack("<H", 1)
+        + struct.pack("<HHII", 6, 10, 1, altitude_at)  # GPSAltitude, SRATIONAL
+        + b"\0\0\0\0"
+        + struct.pack("<ii", -12, 1)
+    )  # fmt: skip
+    with Image.open(io.BytesIO(jpeg)) as image:  # the stored pixels, decoded plainly
+        stored = np.asarray(image.convert("RGB"))
+    expected = np.ascontiguousarray(UPRIGHT[orientation](stored))
+    assert np.array_equal(pillow.decode_rgb(_with_exif(jpeg, tiff)), expected)
+
+
+def _gray_12_bit_tiff(samples: np.ndarray) -> bytes:
+    """An uncompressed little-endian TIFF of 12-bit gray ``samples``, packed most significant bit first."""
+    height, width = samples.shape
+    bits = np.unpackbits(samples.astype(">u2").view(np.uint8).reshape(height, width, 2), axis=2)
+    rows = bits.reshape(height, width, 16)[..., 4:].reshape(height, -1)
+    data = b"".join(np.packbits(row).tobytes() for row in rows)
+    tags = [(256, width), (257, height), (258, 12), (259, 1), (262, 1), (273, 0), (277, 1), (278, height)]
+    tags.append((279, len(data)))
+    data_at = 8 + 2 + 12 * len(tags) + 4
+    entries = b"".join(
+        struct.pack("<HHII", tag, 4, 1, data_at if tag == 273 else value) for tag, value in tags
+    )
+    return b"II*\0" + struct.pack("<IH", 8, len(tags)) + entries + b"\0\0\0\0" + data
+
+
+def test_a_12_bit_gray_tiff_reads_as_pillow_reads_the_same_samples_as_a_pgm() -> None:
+    """Pillow opens a 12-bit TIFF as I;16 with its samples as stored (0-4095): their high byte kept 4
+    bits of 12, an image near black (4095 gave 15). The documented rule is a 12-bit PGM's."""
+    samples = np.arange(4096, dtype=np.uint16).reshape(64, 64)
+    tiff = _gray_12_bit_tiff(samples)
+    with Image.open(io.BytesIO(tiff)) as image:
+        assert image.mode == "I;16" and np.array_equal(np.asarray(image), samples)  # read as stored
+    pgm = b"P5 64 64 4095\n" + samples.astype(">u2").tobytes()
+    with Image.open(io.BytesIO(pgm)) as gray:  # the reference: Pillow's 16-bit scaling of gray
+        expected = (np.asarray(gray, dtype=np.uint32) >> 8).astype(np.uint8)
+    assert expected[-1, -1] == 255
+    assert np.array_equal(pillow.decode_rgb(tiff), np.repeat(expected[..., None], 3, axis=2))
+
+
+def _with_png_exif(png: bytes, exif: bytes) -> bytes:
+    """``png`` with an eXIf chunk holding ``exif``, right after its IHDR."""
+    crc = struct.pack(">I", zlib.crc32(b"eXIf" + exif))
+    return png[:33] + struct.pack(">I", len(exif)) + b"eXIf" + exif + crc + png[33:]
+
+
+@pytest.mark.parametrize("exif", [b"garbage", b"II*\0"], ids=["not TIFF", "cut short"])
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
+def test_an_image_whose_exif_cannot_be_read_is_decoded_as_stored(fmt: str, exif: bytes) -> None:
+    """Pillow reads a PNG's or WebP's EXIF only when asked, and raises for a damaged one: the image
+    failed (SyntaxError, struct.error) where Pillow's own decode shows it, as stored."""
+    pixels = photo(24, 40, 10)
+    if fmt == "PNG":
+        data = _with_png_exif(encode(pixels, "PNG"), exif)
+    else:
+        data = encode(pixels, "WEBP", lossless=True, exif=exif)
+    with Image.open(io.BytesIO(data)) as image:  # Pillow used plainly
+        expected = np.asarray(image.convert("RGB"))
+    assert np.array_equal(expected, pixels)
+    assert np.array_equal(pillow.decode_rgb(data), expected)

@@ -14,6 +14,7 @@ import io
 import itertools
 import numbers
 import re
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ from typing import cast
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from .._cancel import check_cancelled
 from .._stats import StatsRecorder
@@ -114,9 +115,21 @@ def header_size(data: Encoded) -> tuple[int, int]:
 
 #: Bytes of packed rows per step of :func:`_rgb_array`: few steps, and little memory beside the array.
 _CHUNK = 1 << 20
-#: The EXIF orientation tag, and its values that flip or rotate the image (1 is upright).
+#: The EXIF orientation tag, and what turns an image of each value upright (1, upright, is absent):
+#: ImageOps.exif_transpose's, which also rewrites the image's EXIF without that tag and raised on
+#: tags it cannot write back (a negative GPS altitude), failing an image whose pixels were fine.
 _ORIENTATION = 0x0112
-_TURNS = frozenset(range(2, 9))
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+#: The TIFF tag of each sample's bits.
+_BITS_PER_SAMPLE = 258
 
 
 def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> np.ndarray:
@@ -140,14 +153,43 @@ def decode_rgb(data: Encoded, *, max_pixels: int | None = DEFAULT_MAX_PIXELS) ->
         wide = _wide_rgb_ppm(image, tile, data)
         if wide is not None:
             return wide
-        # exif_transpose copies an image it does not turn: only call it for an orientation that turns.
-        turned = image.getexif().get(_ORIENTATION, 1) in _TURNS
-        oriented = _replacing(image, ImageOps.exif_transpose(image)) if turned else image
+        turn = _UPRIGHT.get(_orientation(image))
+        oriented = image if turn is None else _replacing(image, image.transpose(turn))
         if oriented.mode in _SIXTEEN_BIT_GRAY or (oriented.mode == "I" and image.format in _SIXTEEN_BIT_AS_I):
-            gray = (np.asarray(oriented, dtype=np.uint32) >> 8).clip(0, 255).astype(np.uint8)
+            samples = np.asarray(oriented, dtype=np.uint32)
+            maxval = _gray_maxval(image)
+            if maxval != 65535:
+                samples = (samples * 65535 + maxval // 2) // maxval
+            gray = (samples >> 8).clip(0, 255).astype(np.uint8)
             return np.repeat(gray[..., None], 3, axis=2)
         rgb = oriented if oriented.mode == "RGB" else _replacing(oriented, oriented.convert("RGB"))
         return _rgb_array(rgb)
+
+
+def _orientation(image: Image.Image) -> object:
+    """The image's EXIF orientation as Pillow reads it; 1 (as stored) where its EXIF cannot be read.
+
+    Pillow reads a PNG's or WebP's EXIF when asked, after the pixels, and raises for a damaged one
+    (SyntaxError for a header that is not TIFF's, struct.error for one cut short): such an image failed
+    where Pillow's own decode and browsers show it as stored.
+    """
+    try:
+        return image.getexif().get(_ORIENTATION, 1)
+    except (SyntaxError, struct.error):
+        return 1
+
+
+def _gray_maxval(image: Image.Image) -> int:
+    """The largest sample a wide gray image's file can hold, as Pillow gives it: 65535 but for a TIFF.
+
+    Pillow opens a 12-bit gray TIFF as I;16 with its samples as stored (0-4095): their high byte kept
+    only 4 bits, near black. Scaled to 16 bits first, they follow the rule of a 12-bit PGM.
+    """
+    if image.format != "TIFF":
+        return 65535
+    bits = image.tag_v2.get(_BITS_PER_SAMPLE, 16)
+    bits = bits[0] if isinstance(bits, tuple) else bits
+    return (1 << bits) - 1 if isinstance(bits, int) and 8 < bits < 16 else 65535
 
 
 def _wide_rgb_ppm(image: Image.Image, tile: list[ImageFile._Tile], data: Encoded) -> np.ndarray | None:
