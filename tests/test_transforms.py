@@ -491,6 +491,13 @@ def test_to_dtype_names_a_dtype_that_is_not_one() -> None:
         ToDtype("float32", scale=True)  # type: ignore[arg-type]
 
 
+def test_normalize_names_the_integer_type_it_was_given() -> None:
+    with pytest.raises(
+        TypeError, match=r"float images, got torch\.uint8: convert with ToDtype\(torch\.float32"
+    ):
+        Normalize((0.5, 0.5, 0.5), (0.2, 0.2, 0.2))(IMAGE)
+
+
 def test_normalize_refuses_an_image_without_channels() -> None:
     """A (H, W) tensor came back (C, H, W), broadcast against the (C, 1, 1) constants."""
     with pytest.raises(ValueError, match=r"\(\.\.\., C, H, W\), got shape \(4, 5\)"):
@@ -617,3 +624,41 @@ def test_a_float_output_scales_a_transforms_integer_type_by_its_own_range(
         )[0]
     assert got.dtype == torch.float32 and got.max() <= 1.0 + 1e-6
     assert (got.double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("source", [torch.uint16, torch.int32, torch.uint32, torch.int64])
+def test_wide_integers_scale_to_float16_without_inf(source: torch.dtype) -> None:
+    """uint16's 65535 is past float16's largest value (65504): cast before the division, white was inf."""
+    top = torch.iinfo(source).max
+    values = [0, top // 3, top // 2, top - 1, top]
+    images = torch.tensor(values, dtype=torch.int64).to(source).view(1, 1, 1, -1)
+    got = ToDtype(torch.float16, scale=True)(images)
+    expected = (np.array(values, dtype=np.float64) / top).astype(np.float16)  # numpy, rounded once
+    assert got.dtype == torch.float16
+    np.testing.assert_allclose(got.flatten().numpy(), expected, rtol=2**-10, atol=0)
+    assert got.flatten()[-1].item() == 1.0
+
+
+def test_every_uint16_value_scales_to_float16_within_its_precision() -> None:
+    every = torch.arange(2**16, dtype=torch.int64).to(torch.uint16).view(1, 1, 1, -1)
+    got = ToDtype(torch.float16, scale=True)(every).flatten().numpy()
+    expected = (np.arange(2**16, dtype=np.float64) / 65535).astype(np.float16)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+)
+def test_flips_take_every_type_to_dtype_makes(dtype: torch.dtype) -> None:
+    """torch's CPU flip has no kernel for them: NotImplementedError "flip_cpu" not implemented for
+    'UInt16', after ToDtype(torch.uint16, scale=True) made the images."""
+    top = 8 if dtype.is_floating_point else 2**16  # float8 holds the integers below 8 exactly
+    pixels = np.random.default_rng(5).integers(0, top, (2, 3, 4, 5)).astype(np.int64)
+    images = torch.from_numpy(pixels).to(dtype)
+    got = RandomHorizontalFlip(p=1.0)(images[0])
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.to(torch.int64).numpy(), pixels[0, :, :, ::-1])
+    rows = RandomHorizontalFlip().apply_many(images, [True, False])
+    assert rows.dtype == dtype
+    np.testing.assert_array_equal(rows.to(torch.int64).numpy(), np.stack([pixels[0, :, :, ::-1], pixels[1]]))

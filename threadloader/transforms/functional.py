@@ -83,8 +83,9 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     """Converts images; with ``scale`` as torchvision's, keeping the value range's meaning.
 
     An integer type's range maps to and from [0, 1] floats (``uint8``'s 0-255), and integer types
-    convert by shifting their value bits. Half-precision floats scale to integers in float32: in their
-    own precision 1.0 times 255.999 rounds to 256, which wraps to 0 (torchvision's white turns black).
+    convert by shifting their value bits. Half-precision floats scale to and from integers in float32:
+    in their own precision 1.0 times 255.999 rounds to 256, which wraps to 0 (torchvision's white turns
+    black), and float16 holds at most 65504, so uint16's 65535 (torchvision's white) turns to inf.
 
     Types past 15 value bits scale from floats in float64, where their largest value is exact.
 
@@ -99,7 +100,8 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
     if not scale or (source_floating and dtype.is_floating_point):
         return images.to(dtype)
     if dtype.is_floating_point:  # exact: a multiply by 1/255 is one ulp off for half the bytes
-        return images.to(dtype).div_(torch.iinfo(images.dtype).max)
+        work = images.float() if dtype.itemsize < 4 else images.to(dtype)  # half precision: see above
+        return work.div_(torch.iinfo(images.dtype).max).to(dtype)
     if source_floating:
         if (images.dtype, dtype) in _UNSAFE:
             raise RuntimeError(f"The conversion from {images.dtype} to {dtype} cannot be performed safely.")
@@ -176,7 +178,10 @@ def normalize(
         ValueError: For a ``std`` that is zero in the images' dtype, as torchvision's ``normalize``.
     """
     if not images.is_floating_point():
-        raise TypeError("normalize needs float images: convert with ToDtype(torch.float32, scale=True) first")
+        raise TypeError(
+            f"normalize needs float images, got {images.dtype}: convert with ToDtype(torch.float32, "
+            "scale=True) first"
+        )
     if images.ndim < 3:  # a (C, 1, 1) constant would broadcast a (H, W) image into (C, H, W)
         raise ValueError(f"normalize needs images of (..., C, H, W), got shape {tuple(images.shape)}")
     channels = images.shape[-3]
@@ -450,9 +455,23 @@ def center_crop(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return images[..., top : top + crop_h, left : left + crop_w]
 
 
+#: Types :func:`horizontal_flip` can be given (``ToDtype`` makes them) for which torch's CPU ``flip`` has
+#: no kernel: flipped as the signed integers of their size, which moves the same bytes.
+_FLIPPED_AS = {
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+    torch.float8_e4m3fn: torch.int8,
+    torch.float8_e5m2: torch.int8,
+}
+
+
 def horizontal_flip(images: torch.Tensor) -> torch.Tensor:
-    """Flips ``(..., C, H, W)`` images left-right."""
-    return images.flip(-1)
+    """Flips ``(..., C, H, W)`` images left-right, of any type ``ToDtype`` makes."""
+    same_bytes = _FLIPPED_AS.get(images.dtype)
+    if same_bytes is None:
+        return images.flip(-1)
+    return images.view(same_bytes).flip(-1).view(images.dtype)
 
 
 def horizontal_flip_rows(batch: torch.Tensor, flips: Sequence[bool]) -> torch.Tensor:
