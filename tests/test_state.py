@@ -8,6 +8,7 @@ the epochs after them.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import re
 import threading
@@ -711,3 +712,66 @@ def test_a_padded_shards_repeated_sample_draws_another_crop_than_on_its_first_ra
     assert torch.equal(first[0][0], copies[0])  # its first time keeps its crop
     assert torch.equal(padded[0][-1], copies[1])  # the padding is its second time
     assert not torch.equal(padded[0][-1], first[0][0])
+
+
+def _distributed_batches(epoch: int) -> list[list[int]]:
+    """The reference order: ``make``'s shuffle is ``DistributedSampler``'s for seed 11, one rank."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=11)
+    sampler.set_epoch(epoch)
+    return [list(batch) for batch in BatchSampler(sampler, BATCH, drop_last=False)]
+
+
+def test_set_epoch_after_a_pass_stopped_early_is_what_the_state_says(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """A loop that breaks out of epoch 0, calls set_epoch(1) and checkpoints: the state said "epoch 0
+    after 2 batches", so the resumed run took epoch 0's tail where the saving loader runs epoch 1."""
+    with make(samples) as first:
+        iterator = iter(first)
+        take(iterator, 2)
+        del iterator  # break: the pass has stopped
+        first.set_epoch(1)
+        state = round_trip(first.state_dict())
+    assert (state["epoch"], state["batches"]) == (1, 0)
+    with make(samples) as resumed:
+        resumed.load_state_dict(state)
+        assert [targets for _, targets in take(resumed)] == _distributed_batches(1)
+    with make(samples) as running:  # a pass still running keeps its position: the loop may go on
+        iterator = iter(running)
+        take(iterator, 2)
+        running.set_epoch(1)
+        state = running.state_dict()
+        assert (state["epoch"], state["batches"]) == (0, 2)
+        assert [targets for _, targets in take(iterator)] == _distributed_batches(0)[2:]
+
+
+def test_a_batch_sampler_over_an_endless_sampler_has_a_state(samples: list[tuple[bytes, int]]) -> None:
+    """BatchSampler's __len__ raises TypeError over a sampler without one: state_dict() raised it too,
+    where DataLoader iterates that batch sampler, and so does the loader."""
+    from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+    class Endless(Sampler[int]):
+        def __init__(self) -> None:
+            pass
+
+        def __iter__(self) -> Iterator[int]:
+            return itertools.cycle(range(N))
+
+    batch_sampler = BatchSampler(Endless(), 4, drop_last=False)
+    reference = [
+        batch.tolist() for batch in itertools.islice(DataLoader(range(N), batch_sampler=batch_sampler), 5)
+    ]
+    options: dict[str, Any] = {"batch_size": None, "shuffle": False, "batch_sampler": batch_sampler}
+    with make(samples, **options) as first:
+        iterator = iter(first)
+        assert [targets for _, targets in take(iterator, 2)] == reference[:2]
+        state = round_trip(first.state_dict())
+        del iterator
+    assert (state["epoch"], state["batches"], state["arguments"]["batch_sampler"]) == (0, 2, "BatchSampler")
+    with make(samples, **options) as resumed:
+        resumed.load_state_dict(state)
+        iterator = iter(resumed)
+        assert [targets for _, targets in take(iterator, 3)] == reference[2:5]
+        del iterator

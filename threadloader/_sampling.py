@@ -262,10 +262,17 @@ def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def _describe(obj: object) -> str | None:
-    """A sampler's class and length, to tell a resumed loader's sampler from another."""
+    """A sampler's class and length, to tell a resumed loader's sampler from another.
+
+    A ``__len__`` may raise ``TypeError`` (``BatchSampler`` over an endless sampler): then the class
+    alone, since ``state_dict()`` raised that error for a loader that iterates the sampler fine.
+    """
     if obj is None:
         return None
-    length = f" of {len(obj)}" if isinstance(obj, Sized) else ""
+    try:
+        length = f" of {len(obj)}" if isinstance(obj, Sized) else ""
+    except TypeError:
+        length = ""
     return f"{type(obj).__name__}{length}"
 
 

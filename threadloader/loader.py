@@ -397,11 +397,18 @@ class ThreadLoader:
         after ``k`` batches"; once an epoch has ended, "the next epoch, from its start". Batches are
         counted as the consumer received them (not as reader threads prefetched them), and a batch
         left empty by ``on_error="skip"`` counts as passed. A batch that raised :class:`SampleError`
-        is not passed: resuming raises it again.
+        is not passed: resuming raises it again. A :meth:`set_epoch` after a pass that stopped early
+        (``break``, an error) decides the next pass, so it is what this says.
         """
         with self._lock:
             progress = self._progress
-            if progress is None or progress.finished:
+            # A stopped pass's position is kept for a loop that goes on with it, unless set_epoch
+            # chose the next pass since: reporting the old one made the resumed run take its tail.
+            running = progress is not None and any(
+                iterator._progress is progress and not iterator._pool.closed
+                for iterator in self._iterators.live()
+            )
+            if progress is None or progress.finished or (self._epoch_given and not running):
                 epoch, batches = self._next_epoch, self._resume
             else:
                 epoch, batches = progress.epoch, progress.consumed
