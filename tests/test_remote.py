@@ -352,6 +352,28 @@ def test_without_the_protocols_package_a_list_fails_at_construction(
         ThreadLoader(source, on_error="skip")
 
 
+def test_without_the_protocols_package_a_list_of_chained_urls_fails_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain's protocols went unchecked: a list of ``simplecache::s3://`` URLs without s3fs built
+    fine, and its first batch raised fsspec's bare "Install s3fs", naming no URL."""
+    import fsspec
+
+    known = fsspec.get_filesystem_class
+
+    def s3_missing(protocol: str) -> type:  # s3fs missing, as fsspec reports it; the others as they are
+        if protocol == "s3":
+            raise ImportError("Install s3fs to access S3")
+        return known(protocol)
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", s3_missing)
+    url = "simplecache::s3://bucket/a.jpg"
+    expected = re.escape(f"reading {url!r} needs the package of its protocol: Install s3fs to access S3")
+    for source in ([url], [(url, 0)]):
+        with pytest.raises(ImportError, match=expected):
+            ThreadLoader(source, on_error="skip", device="cpu")
+
+
 # ---------------------------------------------------------------------------------- resolved filesystems
 
 

@@ -1472,3 +1472,32 @@ def test_a_service_whose_workers_cannot_start_closes_its_decoder(monkeypatch: py
     with pytest.raises(RuntimeError, match="can't start new thread"):
         BatchDecoder(device="cpu", num_threads=2, max_batch=1, max_delay_ms=0)
     assert decoder.closes == 1
+
+
+def test_a_memoryview_released_after_submit_fails_no_request(
+    blobs: list[bytes], refs: list[np.ndarray]
+) -> None:
+    """A caller's view released (its with block ended) before a worker took it: the error raised while
+    naming its request failed all three requests of the micro-batch, the two good ones too."""
+    with BatchDecoder(device="cpu", num_threads=1, max_batch=3, max_delay_ms=5000) as service:
+        first = service.submit(blobs[0])
+        with memoryview(bytearray(blobs[1])) as view:
+            second = service.submit(view)
+        third = service.submit(blobs[2])  # fills the batch: gathered after the release
+        for future, ref in zip((first, second, third), refs[:3], strict=True):
+            assert_image(future.result(timeout=10), ref)
+        released = memoryview(blobs[3])
+        released.release()
+        with pytest.raises(ValueError, match="released memoryview"):
+            service.submit(released)  # refused to its caller, queued for nobody
+        assert service.stats().submitted == 3
+
+
+def test_decode_many_refuses_one_image_given_whole(blobs: list[bytes]) -> None:
+    """One body passed as the list was iterated: bytes gave ints, refused with advice to pass the file's
+    contents (which it was), and an empty body gave [] as if decoded."""
+    with BatchDecoder(device="cpu", num_threads=1) as service:
+        for one in (blobs[0], bytearray(blobs[0]), memoryview(blobs[0]), b"", "photo.jpg"):
+            with pytest.raises(TypeError, match=r"got one \w+; use decode\(data\) for one image"):
+                service.decode_many(one)  # type: ignore[arg-type]
+        assert service.stats().submitted == 0

@@ -1,13 +1,17 @@
-"""A single path as source: a missing one is FileNotFoundError naming it, as the CLI's "no such folder"."""
+"""Sources as given: a single path (a missing one is FileNotFoundError naming it, as the CLI's "no such
+folder"), ImageFolder's listing, and a list's in-memory items."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
-from threadloader import ThreadLoader
+from threadloader import SampleError, ThreadLoader
 
 from .conftest import encode, photo
 
@@ -116,3 +120,21 @@ def test_a_folder_of_tar_shards_is_told_the_glob(tmp_path: Path) -> None:
     (tmp_path / "000000.tar").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"for a folder of tar shards pass '.*/\*\.tar'"):
         ThreadLoader(str(tmp_path), batch_size=1, device="cpu")
+
+
+def test_a_released_memoryview_in_a_list_is_its_samples_error() -> None:
+    """Naming its sample's decode failure read the released view's size, which raised: the pass ended
+    with a bare ValueError, on_error="skip" or not."""
+    good = [encode(photo(8, 6, seed), "PNG") for seed in (1, 2)]
+    released = memoryview(bytearray(good[0]))
+    released.release()
+    source = [(good[0], 0), (released, 1), (good[1], 2)]
+    with pytest.raises(SampleError) as caught:
+        list(ThreadLoader(source, batch_size=3, device="cpu"))
+    assert (caught.value.index, caught.value.stage) == (1, "decode")
+    assert "released memoryview" in caught.value.origin
+    with ThreadLoader(source, batch_size=3, device="cpu", on_error="skip") as loader:
+        ((images, targets),) = list(loader)
+    assert targets.tolist() == [0, 2]
+    for image, data in zip(images, good, strict=True):  # Pillow, plainly: the reference
+        assert image.permute(1, 2, 0).numpy().tolist() == np.array(Image.open(io.BytesIO(data))).tolist()

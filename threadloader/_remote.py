@@ -53,8 +53,10 @@ def require_fsspec(url: str) -> Any:
             "a threadloader checkout, pip install -e '.[remote]'), plus the protocol's own package where "
             "fsspec needs one: s3fs for s3://, gcsfs for gs://"
         ) from exc
-    if "::" not in url:  # a chained URL's protocols are resolved as it is read
-        protocol = fsspec.core.split_protocol(url)[0]
+    # Each protocol of a chain too (``simplecache::s3://``): unchecked, a missing s3fs was found only at
+    # the first batch, by fsspec's message alone, which names no URL.
+    for bit in url.split("::"):
+        protocol = fsspec.core.split_protocol(bit if "://" in bit else f"{bit}://")[0]
         try:
             fsspec.get_filesystem_class(protocol)
         except ImportError as exc:  # fsspec's message names the package: "Install s3fs to access S3"

@@ -110,12 +110,19 @@ _kind: Callable[[type], int] = functools.lru_cache(maxsize=1024)(_kind_of)
 
 
 def origin_of(data: Encoded) -> str:
-    """The path, or a short description of in-memory bytes, for error messages."""
+    """The path, or a short description of in-memory bytes, for error messages.
+
+    A released memoryview is described as one: its size can no longer be read, and the error raised
+    while naming its sample's decode failure ended the pass, ``on_error="skip"`` or not.
+    """
     if _kind(type(data)) == _DEFERRED:
         return data.origin  # type: ignore[union-attr]
     if isinstance(data, (str, os.PathLike)):
         return os.fspath(data)
-    return f"<{memoryview(data).nbytes} bytes in memory>"  # type: ignore[arg-type]  # not items
+    try:
+        return f"<{memoryview(data).nbytes} bytes in memory>"  # type: ignore[arg-type]  # not items
+    except ValueError:
+        return "<a released memoryview>"
 
 
 class ImageFolder:

@@ -382,7 +382,14 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
             SampleError: The first bad image's error (the others are still decoded).
             QueueFullError: With ``when_full="raise"``, when they do not fit; those already queued are
                 cancelled.
+            TypeError: If ``images`` is one image (bytes, or a string): iterated, it was refused as an
+                ``int`` or a one-letter path, with advice that did not fit.
         """
+        if isinstance(images, (bytes, bytearray, memoryview, str)):
+            raise TypeError(
+                f"decode_many takes a list of encoded images, got one {type(images).__name__}; "
+                "use decode(data) for one image, decode_many([data, ...]) for several"
+            )
         futures: list[Future[torch.Tensor]] = []
         try:
             futures.extend(self.submit(data) for data in images)
@@ -436,7 +443,16 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         self._close(cancel_pending, until, release)
 
     def _checked(self, data: Encoded) -> Encoded:
-        """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline."""
+        """Refuses anything but in-memory bytes: a string would be read as a file path by the pipeline.
+
+        A memoryview is queued as a view of its own on the same buffer (no copy): the caller's released
+        (the end of a ``with memoryview(...)`` block) before a worker took it failed every request of
+        its micro-batch, not only its own.
+
+        Raises:
+            TypeError: If ``data`` is not bytes, a bytearray or a memoryview.
+            ValueError: If ``data`` is a memoryview already released.
+        """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             fix = (
                 "pass them as bytes (tensor.numpy().tobytes())"
@@ -444,6 +460,14 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
                 else "pass the file's contents (open(path, 'rb').read()), not its path"
             )
             raise TypeError(f"BatchDecoder decodes encoded image bytes, got {type(data).__name__}; {fix}")
+        if isinstance(data, memoryview):
+            try:
+                return memoryview(data)
+            except ValueError as exc:
+                raise ValueError(
+                    "BatchDecoder got a released memoryview: submit it before releasing it (the end of its "
+                    "with block releases it), or submit a copy, bytes(view), taken before"
+                ) from exc
         return data
 
     def __repr__(self) -> str:
