@@ -9,8 +9,9 @@ loader: ThreadLoader, nvImageCodec in spawned DataLoader workers with a collate,
 DataLoader workers. Every pipeline delivers float32 normalized with ImageNet's mean and std.
 
 Each row runs in a process of its own (decoder caches, CUDA contexts and worker pools do not carry
-over): it builds the model and the step, takes ``--warmup`` steps, then ``--windows`` timed windows of
-``--steps`` steps each and reports the median window with the min-max. ``data wait`` is the share of a
+over): it builds the model and the step, takes ``--warmup`` steps (their img/s kept per ``--steps``
+steps: the ramp to the steady state), then ``--windows`` timed windows of ``--steps`` steps each and
+reports the median window with the min-max. ``data wait`` is the share of a
 window spent blocked on ``next()``. ``extra GPU MB`` is what the loader adds on top of the training
 step: ``torch peak`` is torch's peak allocated memory above the step's own peak, ``device`` the
 device-wide used memory (worker processes' contexts and nvImageCodec included), sampled, above the
@@ -50,7 +51,7 @@ SIZED = {  # option: (full run, --quick, what it is)
     "count": (1000, 32, "images in the varied set"),
     "batch_size": (64, 8, "images per step"),
     "workers": (8, 2, "DataLoader workers"),
-    "warmup": (10, 1, "steps after the first (start-up) one, before timing"),
+    "warmup": (70, 1, "steps after the first (start-up) one, before timing (the steady state's start)"),
     "steps": (20, 2, "steps per timed window"),
     "windows": (3, 3, "timed windows per row; the median is reported"),
     "row_timeout": (150.0, 120.0, "seconds before a row's process is stopped"),
@@ -107,6 +108,10 @@ class TrainingRow:
     extra_torch_peak_mb: float | None = None
     extra_device_mb: float | None = None
     row_s: float | None = None  # the row's process, start to end
+    #: img/s of each ``--steps`` steps of the warm-up (the last part may be shorter): the ramp to the
+    #: steady state the windows measure. Beside the graphed step ThreadLoader's decode calls took 2-3
+    #: times their steady time over the first thousands of images (docs/benchmarks.md).
+    warmup_images_per_s: list[float] = field(default_factory=list)
 
     def median(self, values: list[float]) -> float | None:
         return statistics.median(values) if values else None
@@ -197,8 +202,9 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
             row.startup_s = row.build_s + row.first_batch_s
         else:
             row.startup_s = ended - started
-        common.take(stream, step, args.warmup)
-        _progress(f"started in {row.startup_s:.1f} s, warmed up")
+        row.warmup_images_per_s = _warm_up(stream, step, args.warmup, args.steps)
+        ramp = ", ".join(f"{rate:,.0f}" for rate in row.warmup_images_per_s)
+        _progress(f"started in {row.startup_s:.1f} s, warmed up at {ramp or '-'} img/s")
         if args.profile:
             _profile(row, stream, step, args, stats=stats[0] if stats else None)
         else:
@@ -215,6 +221,16 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
         if stream is not None:
             stream.close()
     return row
+
+
+def _warm_up(stream: Iterator[Batch], step: Step, steps: int, part: int) -> list[float]:
+    """Takes ``steps`` steps, in parts of ``part``; returns each part's img/s (the step syncs)."""
+    rates = []
+    for first in range(0, steps, part):
+        started = time.perf_counter()
+        images, _ = common.take(stream, step, min(part, steps - first))
+        rates.append(images / (time.perf_counter() - started))
+    return rates
 
 
 def _window(

@@ -268,6 +268,32 @@ def test_a_training_rows_startup_is_its_first_batch_without_a_step(monkeypatch: 
     assert row.device_wait_frac == []  # the GPU's wait: CUDA rows only
 
 
+def test_a_training_rows_warm_up_is_kept_as_its_ramp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's img/s per --steps steps (the last part shorter): beside a busy GPU the first
+    thousands of images decode slower, and a row reports only windows after it."""
+    import time
+
+    from benchmarks import training
+
+    sleeps = iter([0.0, 0.0] + [0.02] * 2 + [0.04] * 2 + [0.08] + [0.0] * 10)
+
+    def make_step(**_: Any) -> Any:
+        def step(batch: Any) -> None:
+            time.sleep(next(sleeps))
+
+        return step
+
+    monkeypatch.setattr(training, "make_step", make_step)
+    args = _training_args(warmup=5, steps=2, windows=1)
+    row = training.measure(training.RowSpec(kind="eager", loader="fixed_input"), args)
+    assert row.status == "ok", row.reason
+    expected = [2 * 2 / (2 * 0.02), 2 * 2 / (2 * 0.04), 2 / 0.08]  # batch 2: images over the part's sleeps
+    assert len(row.warmup_images_per_s) == 3
+    for rate, ideal in zip(row.warmup_images_per_s, expected, strict=True):
+        assert ideal * 0.5 < rate <= ideal * 1.01
+    assert row.warmup_images_per_s[0] > row.warmup_images_per_s[1] > row.warmup_images_per_s[2]
+
+
 LINUX_STATUS = Path("/proc/thread-self/status").is_file()
 
 
