@@ -588,6 +588,14 @@ def options(results: Path, charts: bool) -> list[str]:
     return [*training_table(found, page=True), *main_thread_table(found)]
 
 
+def session(results: Path, charts: bool) -> list[str]:
+    """One machine session's training rows under each interpreter, kept apart from the main table."""
+    found = load(results, "session-training*.json")
+    if not found:
+        return no_results("session-training*.json")
+    return [*training_table(found, page=True), *main_thread_table(found), *stage_table(found)]
+
+
 def training(results: Path, charts: bool) -> list[str]:
     found = load(results, "training*.json")
     if not found:
@@ -604,7 +612,8 @@ def gil(results: Path, charts: bool) -> list[str]:
 
 def memory(results: Path, charts: bool) -> list[str]:
     """Extra GPU memory and start-up of every row that measured them, from the other sections' files."""
-    runs, trainings = load(results, "throughput-*.json"), load(results, "training*.json")
+    runs = load(results, "throughput-*.json")
+    trainings = [*load(results, "training*.json"), *load(results, "session-training*.json")]
     if not runs and not trainings:
         return no_results("throughput-*.json, training*.json")
     draw = memory_chart(runs) if charts else None
@@ -629,6 +638,7 @@ def cpu_training(results: Path, charts: bool) -> list[str]:
 SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
     "throughput": throughput,
     "training": training,
+    "session": session,
     "gil": gil,
     "queued": queued,
     "options": options,
