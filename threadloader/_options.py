@@ -92,9 +92,8 @@ class Options:
             decode_threads=self.decode_threads,
             jpeg_fancy_upsampling=self.jpeg_fancy_upsampling,
         )
-        object.__setattr__(
-            self, "jpeg_fancy_upsampling", check_switch("jpeg_fancy_upsampling", self.jpeg_fancy_upsampling)
-        )
+        # Checked there, kept here as a plain bool (1, numpy's True).
+        object.__setattr__(self, "jpeg_fancy_upsampling", bool(self.jpeg_fancy_upsampling))
         if self.region_decode is not None:  # None: decided by the transform
             object.__setattr__(
                 self, "region_decode", check_switch("region_decode", self.region_decode, also="or None")
