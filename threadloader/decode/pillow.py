@@ -23,7 +23,7 @@ from typing import cast
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, ImageFile, TiffImagePlugin, UnidentifiedImageError
 
 from .._cancel import check_cancelled
 from .._stats import StatsRecorder
@@ -119,7 +119,7 @@ _CHUNK = 1 << 20
 #: ImageOps.exif_transpose's, which also rewrites the image's EXIF without that tag and raised on
 #: tags it cannot write back (a negative GPS altitude), failing an image whose pixels were fine.
 _ORIENTATION = 0x0112
-_UPRIGHT = {
+_UPRIGHT: dict[object, Image.Transpose] = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
     3: Image.Transpose.ROTATE_180,
     4: Image.Transpose.FLIP_TOP_BOTTOM,
@@ -185,7 +185,7 @@ def _gray_maxval(image: Image.Image) -> int:
     Pillow opens a 12-bit gray TIFF as I;16 with its samples as stored (0-4095): their high byte kept
     only 4 bits, near black. Scaled to 16 bits first, they follow the rule of a 12-bit PGM.
     """
-    if image.format != "TIFF":
+    if not isinstance(image, TiffImagePlugin.TiffImageFile):
         return 65535
     bits = image.tag_v2.get(_BITS_PER_SAMPLE, 16)
     bits = bits[0] if isinstance(bits, tuple) else bits
