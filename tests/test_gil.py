@@ -14,7 +14,7 @@ from threadloader import _gil
 def test_a_loop_sleeps_once_it_has_held_the_gil_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
     pauses: list[float] = []
-    monkeypatch.setattr(_gil, "_GIL", True)
+    monkeypatch.setattr(_gil, "_gil_enabled", lambda: True)
     monkeypatch.setattr(_gil.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(_gil.time, "sleep", pauses.append)
     pacer = _gil.Pacer()
@@ -26,7 +26,7 @@ def test_a_loop_sleeps_once_it_has_held_the_gil_long_enough(monkeypatch: pytest.
 
 def test_without_a_gil_there_is_nothing_to_let_in(monkeypatch: pytest.MonkeyPatch) -> None:
     pauses: list[float] = []
-    monkeypatch.setattr(_gil, "_GIL", False)
+    monkeypatch.setattr(_gil, "_gil_enabled", lambda: False)
     monkeypatch.setattr(_gil.time, "sleep", pauses.append)
     pacer = _gil.Pacer()
     deadline = time.perf_counter() + 0.01
@@ -38,7 +38,7 @@ def test_without_a_gil_there_is_nothing_to_let_in(monkeypatch: pytest.MonkeyPatc
 def test_a_waiting_thread_gets_the_gil_during_a_paced_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop that never lets go of the GIL but for its pacing: a thread waiting for the GIL runs within
     the loop, where without the pacing it would wait for the interpreter's switch interval (1 s here)."""
-    monkeypatch.setattr(_gil, "_GIL", True)
+    monkeypatch.setattr(_gil, "_gil_enabled", lambda: True)
     previous = sys.getswitchinterval()
     go, ran = threading.Event(), []
 
@@ -89,3 +89,27 @@ def test_a_slice_that_is_no_duration_is_refused_naming_the_variable(value: str) 
     )
     assert result.returncode != 0
     assert f"{_gil.SLICE_ENV} must be microseconds" in result.stderr and repr(value) in result.stderr
+
+
+def test_a_gil_turned_back_on_after_import_is_paced() -> None:
+    """A free-threaded build turns the GIL back on when a module that needs it is imported after this
+    one (torchvision with triton): a pacer that asked only at import never let a waiting thread in."""
+    import subprocess
+
+    code = """if True:
+        import sys, time
+        gil = [False]  # off while threadloader is imported, as on 3.13t
+        sys._is_gil_enabled = lambda: gil[0]
+        from threadloader import _gil
+        gil[0] = True  # then an import turns it back on
+        clock, pauses = [0.0], []
+        time.perf_counter = lambda: clock[0]
+        time.sleep = pauses.append
+        pacer = _gil.Pacer()
+        for _ in range(9):  # 9 items of 30 us: a pause after the 4th (120 us) and after the 8th
+            clock[0] += 30e-6
+            pacer.tick()
+        print(len(pauses))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2"], out.stdout + out.stderr

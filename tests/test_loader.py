@@ -10,9 +10,11 @@ import multiprocessing
 import os
 import pickle
 import re
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1275,6 +1277,73 @@ def test_raise_at_the_bad_batch(
         next(again)
     loader.close()
     assert loader.stats().errors == 2
+
+
+@pytest.mark.parametrize(
+    ("raised", "reason"),
+    [
+        (ValueError("bad record\n  label: missing\n"), "ValueError: bad record label: missing"),
+        (IndexError(), "IndexError"),
+    ],
+)
+def test_a_sample_errors_reason_is_one_line_naming_the_exception(
+    blobs: list[bytes], caplog: pytest.LogCaptureFixture, raised: Exception, reason: str
+) -> None:
+    """A multi-line message spread the reason (documented as one line) and the skip log over several
+    lines; one without a message gave ``"IndexError: "``."""
+
+    class Failing(Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int):
+            if index == 1:
+                raise raised
+            return blobs[0], 0
+
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader(Failing(), batch_size=2, device="cpu"))
+    assert info.value.reason == reason
+    assert str(info.value) == f"sample 1 (Failing[1]): fetch failed: {reason}"
+    with caplog.at_level(logging.WARNING, logger="threadloader"):
+        list(ThreadLoader(Failing(), batch_size=2, device="cpu", on_error="skip"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "threadloader"]
+    assert lines == [f"skipping sample 1 (Failing[1]): fetch failed: {reason}"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception groups are Python 3.11's")
+def test_a_sample_error_holds_no_reader_frame_through_an_exception_group(blobs: list[bytes]) -> None:
+    """A source that raises a group (fetches in a task group): its members' tracebacks kept the reader
+    thread's stack alive, with the group's bytes, as long as the user kept the error."""
+
+    class Held:
+        pass
+
+    held: list[weakref.ref[Held]] = []
+
+    class Grouped(Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int):
+            if index == 0:
+                return blobs[0], 0
+            local = Held()  # lives as long as this frame does
+            held.append(weakref.ref(local))
+            failed = []
+            try:
+                raise ConnectionError("shard 3 is down")
+            except ConnectionError as exc:
+                failed.append(exc)  # as a task group gathers its tasks' errors
+            raise ExceptionGroup("fetching the record", failed)  # noqa: F821  # Python 3.11's
+
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader(Grouped(), batch_size=2, device="cpu"))
+    member = info.value.__cause__.exceptions[0]  # type: ignore[union-attr]
+    assert member.__traceback__ is None
+    assert held[0]() is None, "the error kept the reader's frames alive"
+    notes = "\n".join(getattr(member, "__notes__", []))
+    assert 'raise ConnectionError("shard 3 is down")' in notes  # its traceback, as text
 
 
 @pytest.mark.parametrize("size", [None, (H, W)])

@@ -52,7 +52,9 @@ _PAUSE = 20e-6
 #: blocked in a wait never does. A wake cost 0.16 ms of CPU on a 2-core VM (a bare sleep's wake there
 #: 0.07 ms): under 2% of a core per waiting reader.
 MERGE_INTERVAL = 0.01 if sysconfig.get_config_var("Py_GIL_DISABLED") else None
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+#: Whether the GIL is on, asked at each tick rather than once at import: a free-threaded build turns it
+#: back on when a module that needs it is imported later (torchvision, where triton is installed).
+_gil_enabled = getattr(sys, "_is_gil_enabled", lambda: True)
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 
@@ -67,7 +69,7 @@ class Pacer:
 
     def tick(self) -> None:
         """Sleeps an instant if the loop has kept the GIL for :data:`EVERY` seconds since the last time."""
-        if not _GIL:
+        if not _gil_enabled():
             return
         now = time.perf_counter()
         if now - self._since >= EVERY:

@@ -7,6 +7,7 @@ argument is a ``ValueError`` or ``TypeError`` at construction, as in the standar
 
 from __future__ import annotations
 
+import builtins
 import re
 import traceback
 from queue import Full
@@ -43,13 +44,18 @@ class SampleError(ThreadLoaderError):
         self.index = index
         self.origin = origin
         self.stage = stage
-        self.reason = _ADDRESS.sub("", reason)
+        self.reason = _one_line(_ADDRESS.sub("", reason))
         super().__init__(f"sample {index} ({origin}): {stage} failed: {self.reason}")
 
     @classmethod
     def from_exception(cls, exc: BaseException, *, index: int, origin: str, stage: str) -> SampleError:
-        """Builds the error for ``exc``; the caller chains it with ``raise ... from exc``."""
-        return cls(index=index, origin=origin, stage=stage, reason=f"{type(exc).__name__}: {exc}")
+        """Builds the error for ``exc``; the caller chains it with ``raise ... from exc``.
+
+        An exception without a message (``raise IndexError``) is named alone, not as ``"IndexError: "``.
+        """
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        return cls(index=index, origin=origin, stage=stage, reason=reason)
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only __init__ would otherwise break copy/pickle of the exception (pytest, logging); the
@@ -57,12 +63,21 @@ class SampleError(ThreadLoaderError):
         return (_rebuild_sample_error, (self.index, self.origin, self.stage, self.reason), self.__dict__)
 
 
+def _one_line(text: str) -> str:
+    """``text``'s lines joined by spaces, as ``reason`` promises one line.
+
+    A multi-line message (a record's validation error) made the skip log's warning, and the message a
+    caller prints, span several lines.
+    """
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def _rebuild_sample_error(index: int, origin: str, stage: str, reason: str) -> SampleError:
     return SampleError(index=index, origin=origin, stage=stage, reason=reason)
 
 
 def detached(exc: BaseException, *, as_text: bool = True) -> BaseException:
-    """``exc`` and every exception it chains, their tracebacks as text: what a sample's error chains.
+    """``exc`` and every exception it chains or groups, their tracebacks as text: a sample error's cause.
 
     A traceback keeps each of its frames alive, and each frame its caller (``frame.f_back``): an error
     kept by the user (a list of the bad samples, a failed request's future) would keep a reader
@@ -83,11 +98,18 @@ def detached(exc: BaseException, *, as_text: bool = True) -> BaseException:
                 frames = "".join(traceback.format_tb(current.__traceback__)).rstrip()
                 _note_once(current, f"{_TRACEBACK_NOTE}\n{frames}")
             current.__traceback__ = None
-        pending += [current.__cause__, current.__context__]
+        # An exception group's members each hold a traceback too: a source's (its fetches in a task
+        # group) kept the reader's stack alive, down to its group's bytes.
+        members = getattr(current, "exceptions", ()) if isinstance(current, _GROUPS) else ()
+        pending += [current.__cause__, current.__context__, *members]
     return exc
 
 
 _TRACEBACK_NOTE = "Traceback (as text; its frames released):"
+#: Exception groups, whose members :func:`detached` releases too (none before Python 3.11).
+_GROUPS: tuple[type[BaseException], ...] = (
+    (builtins.BaseExceptionGroup,) if hasattr(builtins, "BaseExceptionGroup") else ()
+)
 
 
 def _note_once(exc: BaseException, note: str) -> None:
