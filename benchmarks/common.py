@@ -314,16 +314,24 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
     return seconds
 
 
+_walked = [0.0]
+"""The CPU seconds :func:`cpu_seconds` has spent walking ``/proc`` in this process, so far."""
+
+
 def cpu_seconds() -> float:
     """CPU time of this process, its reaped children and its live descendants.
 
     ``RUSAGE_CHILDREN`` only counts children that have exited, so live DataLoader workers are
-    read from ``/proc`` (Linux; elsewhere they are missed until they exit).
+    read from ``/proc`` (Linux; elsewhere they are missed until they exit). The walk over ``/proc``
+    (milliseconds of this process's CPU) is left out: the difference of two readings is the CPU used
+    between them, not that plus one of the walks, which a window's wall clock leaves out.
     """
     total = sum(
         r.ru_utime + r.ru_stime
         for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
     )
+    total -= _walked[0]  # the earlier calls' walks, which ``total`` includes
+    walk = time.thread_time()
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -338,6 +346,7 @@ def cpu_seconds() -> float:
     while frontier:
         frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
         found |= frontier
+    _walked[0] += time.thread_time() - walk  # this walk, which the next call's ``total`` includes
     return total + sum(cpu[pid] for pid in found)
 
 

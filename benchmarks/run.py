@@ -203,13 +203,15 @@ def measure(case: Case, *, device: str, warmup: int, batches: int) -> Row:
         row.startup_s = time.perf_counter() - start
         common.take(stream, step, warmup)
         stats = case.stats[0] if case.stats else None
+        cpu0 = common.cpu_seconds()  # a walk over /proc: outside the clock and the stages' snapshots
         before = stats() if stats is not None else None
-        cpu0, start = common.cpu_seconds(), time.perf_counter()
+        start = time.perf_counter()
         row.images, waited = common.take(stream, step, batches)
         wall = time.perf_counter() - start
+        after = stats() if stats is not None else None
         row.cpu_cores = (common.cpu_seconds() - cpu0) / wall
-        if stats is not None and before is not None:
-            row.stage_ms_per_batch = common.stage_ms(before, stats())
+        if before is not None and after is not None:
+            row.stage_ms_per_batch = common.stage_ms(before, after)
         row.batches = batches
         row.images_per_s = row.images / wall
         row.ms_per_batch = 1000 * wall / batches

@@ -247,22 +247,25 @@ def _window(
     ``stats``: the row's ``ThreadLoader.stats``, read before and after the window for its stages.
     """
     on_device: list[float] | None = [] if device == "cuda" else None
+    # All processes' CPU (DataLoader workers too), read outside the wall clock: a walk over /proc
+    # takes milliseconds, which would stretch the window (cpu_seconds leaves its own CPU out). The
+    # other counts are read next to the clock, so that none of them takes in the walks either: the
+    # main thread's switches while it walks, the readers' stages and allocations meanwhile.
+    process_cpu = common.cpu_seconds()
     before = stats() if stats is not None else None
     allocations = _allocators.counts()
     switches = common.context_switches()
-    # All processes' CPU (DataLoader workers too), read outside the wall clock: a walk over /proc
-    # takes milliseconds, which would stretch the window; the main thread's is read inside it.
-    process_cpu = common.cpu_seconds()
     started = time.perf_counter()
     thread_cpu = time.thread_time()
     images, waited = common.take(stream, step, steps, on_device=on_device)
     thread_cpu = time.thread_time() - thread_cpu
     wall = time.perf_counter() - started
-    process_cpu = common.cpu_seconds() - process_cpu
     switched = common.context_switches()
-    if before is not None and stats is not None:
-        row.stage_ms_per_batch.append(common.stage_ms(before, stats()))
     allocated = _allocators.counts()
+    after = stats() if stats is not None else None
+    process_cpu = common.cpu_seconds() - process_cpu
+    if before is not None and after is not None:
+        row.stage_ms_per_batch.append(common.stage_ms(before, after))
     if allocations is not None and allocated is not None:
         calls = zip(allocated._fields, allocated, allocations, strict=True)
         row.allocator_calls_per_step.append({name: (now - was) / steps for name, now, was in calls})

@@ -434,3 +434,118 @@ def test_a_rows_imports_are_no_part_of_its_start_up(tmp_path: Path, monkeypatch:
 
     row = run.measure(run.Case("slow", "slow", 2, batches), device="cpu", warmup=1, batches=2)
     assert row.startup_s is not None and row.startup_s < 0.2
+
+
+def _spin(seconds: float) -> None:
+    """Use ``seconds`` of this thread's CPU time, preempted or not."""
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _slow_walks(monkeypatch: pytest.MonkeyPatch, seconds: float, then: Any = None) -> None:
+    """Each walk over /proc (``common.cpu_seconds``) costs ``seconds`` of this thread's CPU, then runs
+    ``then``."""
+    real, me = common.proc_stat, Path(f"/proc/{os.getpid()}/stat")
+
+    def proc_stat(path: Path) -> Any:
+        if path == me:
+            _spin(seconds)
+            if then is not None:
+                then()
+        return real(path)
+
+    monkeypatch.setattr(common, "proc_stat", proc_stat)
+
+
+#: What a batch costs the fake loaders below (CPU seconds), and what a walk over /proc costs.
+SPIN_S, WALK_S = 0.01, 0.2
+
+
+@pytest.mark.skipif(not LINUX_STATUS, reason="/proc: Linux only")
+def test_cpu_seconds_leave_out_their_own_walks_over_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two readings around 0.1 s of CPU differ by 0.1 s: the walks (0.2 s each here) are no one's work."""
+    _slow_walks(monkeypatch, WALK_S)
+    first = common.cpu_seconds()
+    _spin(0.1)
+    assert common.cpu_seconds() - first == pytest.approx(0.1, abs=0.03)
+
+
+@pytest.mark.skipif(not LINUX_STATUS, reason="/proc: Linux only")
+def test_a_rows_cpu_cores_are_over_its_timed_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader using 10 ms of CPU per batch and nothing else: its cores are that CPU over the window's
+    wall time. The walk over /proc before the window counted in its CPU and not in its clock (4-5 cores
+    here, a loader that used one)."""
+    import torch
+
+    def batches() -> Any:
+        while True:
+            _spin(SPIN_S)
+            yield torch.zeros(2, 3, 4, 4), torch.zeros(2)
+
+    _slow_walks(monkeypatch, WALK_S)
+    count = 5
+    row = run.measure(run.Case("spin", "spin", 2, batches), device="cpu", warmup=0, batches=count)
+    assert row.status == "ok", row.reason
+    assert row.ms_per_batch is not None and row.cpu_cores is not None
+    wall = row.ms_per_batch * count / 1000
+    assert row.cpu_cores == pytest.approx(count * SPIN_S / wall, abs=0.15), (row.cpu_cores, wall)
+
+
+@pytest.mark.skipif(not LINUX_STATUS, reason="/proc: Linux only")
+def test_a_training_windows_counts_are_over_its_clock_not_the_walks_over_proc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step: one voluntary switch, 4 ms of a reader's "read" stage, 10 ms of CPU. Each walk over
+    /proc (two a window, outside its clock): 0.2 s of CPU, 5 voluntary and 3 involuntary switches of
+    the main thread, a second of the readers' stages. The window counts the steps' only."""
+    import types
+
+    import torch
+
+    from benchmarks import training
+
+    status = tmp_path / "status"
+    switches = {"voluntary": 100, "involuntary": 50}
+    loader = {"batches": 7, "read": 1.0}
+
+    def write_status() -> None:
+        status.write_text(
+            "Name:\tpython\n"
+            f"voluntary_ctxt_switches:\t{switches['voluntary']}\n"
+            f"nonvoluntary_ctxt_switches:\t{switches['involuntary']}\n"
+        )
+
+    def walked() -> None:
+        switches["voluntary"] += 5
+        switches["involuntary"] += 3
+        loader["read"] += 1.0
+        write_status()
+
+    def stats() -> Any:
+        return types.SimpleNamespace(batches=loader["batches"], stage_seconds={"read": loader["read"]})
+
+    def stream() -> Any:
+        while True:
+            loader["batches"] += 1
+            yield torch.zeros(2, 3, 4, 4), torch.zeros(2)
+
+    def step(batch: Any) -> None:
+        _spin(SPIN_S)
+        switches["voluntary"] += 1
+        loader["read"] += 0.004
+        write_status()
+
+    write_status()
+    monkeypatch.setattr(common, "THREAD_STATUS", status)
+    _slow_walks(monkeypatch, WALK_S, walked)
+    row = training.TrainingRow(training.RowSpec("eager", "threadloader", "resize"))
+    steps = 4
+    training._window(row, stream(), step, steps, "cpu", stats=stats)
+    assert row.main_voluntary_per_step == [1.0] and row.main_involuntary_per_step == [0.0], row
+    ((stage,),) = (list(s.items()) for s in row.stage_ms_per_batch)
+    assert stage == ("read", pytest.approx(4.0)), row.stage_ms_per_batch
+    (ms,), (cores,) = row.ms_per_step, row.process_cores
+    assert cores == pytest.approx(steps * SPIN_S / (ms * steps / 1000), abs=0.15), (cores, ms)
