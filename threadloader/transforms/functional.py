@@ -455,8 +455,8 @@ def center_crop(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return images[..., top : top + crop_h, left : left + crop_w]
 
 
-#: Types :func:`horizontal_flip` can be given (``ToDtype`` makes them) for which torch's CPU ``flip`` has
-#: no kernel: flipped as the signed integers of their size, which moves the same bytes.
+#: Types the flips can be given (``ToDtype`` makes them) for which torch's CPU ``flip`` has no kernel,
+#: nor ``where`` before torch 2.13: flipped as the signed integers of their size, the same bytes moved.
 _FLIPPED_AS = {
     torch.uint16: torch.int16,
     torch.uint32: torch.int32,
@@ -483,5 +483,8 @@ def horizontal_flip_rows(batch: torch.Tensor, flips: Sequence[bool]) -> torch.Te
         return batch
     if all(flips):
         return horizontal_flip(batch)
+    same_bytes = _FLIPPED_AS.get(batch.dtype)
+    if same_bytes is not None:
+        return horizontal_flip_rows(batch.view(same_bytes), flips).view(batch.dtype)
     mask = to_device(torch.tensor(flips, dtype=torch.bool), batch.device)
     return torch.where(mask.view(-1, 1, 1, 1), horizontal_flip(batch), batch)
