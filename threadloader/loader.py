@@ -216,7 +216,8 @@ class ThreadLoader:
         ):
             # Random draws use the seed's low 64 bits: seed=2**64 would repeat seed=0's crops and flips.
             raise ValueError(
-                f"seed must be an int from 0 to 2**64 - 1 (as torch.manual_seed's), or None, got {seed!r}"
+                "seed must be an int from 0 to 2**64 - 1 (a torch generator's seeds, where a negative "
+                f"seed, as DistributedSampler takes, is 2**64 plus it), or None, got {seed!r}"
             )
         seed = None if seed is None else int(seed)
         options = Options.of(locals())  # the options both front ends take, checked
