@@ -5,7 +5,9 @@
 
 POST /predict with JSON ``{"image": "<the image file, base64>"}`` (LitServe parses request bodies as
 JSON); the reply is serve_fastapi.py's: ``{"top5": [...]}`` from a ResNet-50 with random weights (bf16
-on CUDA), or ``{"shape": ..., "mean": ...}`` with ``--model none``. A bad image is 400.
+on CUDA), or ``{"shape": ..., "mean": ...}`` with ``--model none``. A bad image or request is 400,
+``{"detail": ...}``, and fails only its own answer: LitServe answers a whole batch with what its hooks
+raise, so a bad one's reply is handed through ``predict`` as its answer instead.
 
 LitServe's own batching (``max_batch_size``, ``batch_timeout``) gathers the requests in its inference
 worker process; ``predict`` gets a list of bodies and decodes them together through a
@@ -30,7 +32,7 @@ from typing import Any
 
 import litserve as ls
 import torch
-from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,34 +65,34 @@ class Classifier(ls.LitAPI):
             max_pixels=self.settings.limits.max_pixels,
         )
 
-    def decode_request(self, request: dict[str, Any]) -> bytes:
+    def decode_request(self, request: dict[str, Any]) -> bytes | JSONResponse:
         try:
             return base64.b64decode(request["image"], validate=True)
-        except (KeyError, TypeError, binascii.Error) as exc:
-            raise HTTPException(400, 'send JSON {"image": "<the image file, base64>"}') from exc
+        except (KeyError, TypeError, binascii.Error):
+            return bad_request('send JSON {"image": "<the image file, base64>"}')
 
-    def predict(self, bodies: list[bytes]) -> list[Any]:
+    def predict(self, bodies: list[bytes | JSONResponse]) -> list[Any]:
         """One decode of the whole batch (a bad image fails only its own answer), one model call."""
-        futures = [self.decoder.submit(body) for body in bodies]
+        futures = {i: self.decoder.submit(body) for i, body in enumerate(bodies) if isinstance(body, bytes)}
         images: dict[int, torch.Tensor] = {}
-        answers: list[Any] = [None] * len(bodies)
-        for position, future in enumerate(futures):
+        answers: list[Any] = list(bodies)  # a bad request's reply is its answer
+        for position, future in futures.items():
             try:
                 images[position] = future.result()
             except SampleError as exc:
-                answers[position] = HTTPException(
-                    400, f"the body is not an image this server decodes: {exc.reason}"
-                )
+                answers[position] = bad_request(f"the body is not an image this server decodes: {exc.reason}")
         if images:
             for position, answer in zip(images, self.head(list(images.values())), strict=True):
                 answers[position] = answer
         return answers
 
-    def encode_response(self, output: Any) -> dict[str, Any]:
-        if isinstance(output, HTTPException):
-            raise output
-        answer: dict[str, Any] = output
-        return answer
+    def encode_response(self, output: Any) -> Any:  # Any: a dict, or a bad request's JSONResponse
+        return output
+
+
+def bad_request(detail: str) -> JSONResponse:
+    """A 400 in LitServe's error format, returned as an answer: raised, it would answer the whole batch."""
+    return JSONResponse({"detail": detail}, status_code=400)
 
 
 def announce_when_healthy(host: str, port: int, timeout: float = 300.0) -> None:
