@@ -588,12 +588,15 @@ def options(results: Path, charts: bool) -> list[str]:
     return [*training_table(found, page=True), *main_thread_table(found)]
 
 
+def _beside_step(found: list[ResultFile]) -> list[str]:
+    """The training files' three tables: the step's speed, its main thread, the loader's stages."""
+    return [*training_table(found, page=True), *main_thread_table(found), *stage_table(found)]
+
+
 def session(results: Path, charts: bool) -> list[str]:
     """One machine session's training rows under each interpreter, kept apart from the main table."""
     found = load(results, "session-training*.json")
-    if not found:
-        return no_results("session-training*.json")
-    return [*training_table(found, page=True), *main_thread_table(found), *stage_table(found)]
+    return _beside_step(found) if found else no_results("session-training*.json")
 
 
 def training(results: Path, charts: bool) -> list[str]:
@@ -602,7 +605,7 @@ def training(results: Path, charts: bool) -> list[str]:
         return no_results("training*.json")
     draw = training_chart(found) if charts else None
     chart = image(results, "training", "training step beside each loader", draw)
-    return [*training_table(found, page=True), *main_thread_table(found), *stage_table(found), *chart]
+    return [*_beside_step(found), *chart]
 
 
 def gil(results: Path, charts: bool) -> list[str]:

@@ -109,8 +109,8 @@ class TrainingRow:
     extra_device_mb: float | None = None
     row_s: float | None = None  # the row's process, start to end
     #: img/s of each ``--steps`` steps of the warm-up (the last part may be shorter): the ramp to the
-    #: steady state the windows measure. Beside the graphed step ThreadLoader's decode calls took 2-3
-    #: times their steady time over the first thousands of images (docs/benchmarks.md).
+    #: steady state the windows measure. Beside the graphed step ThreadLoader's decode calls are slower
+    #: over the first thousands of images (docs/benchmarks.md, "One machine session, both interpreters").
     warmup_images_per_s: list[float] = field(default_factory=list)
 
     def median(self, values: list[float]) -> float | None:
