@@ -102,6 +102,9 @@ class TrainingRow:
     #: ThreadLoader rows on the GPU: per window, nvImageCodec's calls to the allocators per step
     #: (``_allocators.Counts``' fields); empty where its Decoders have none.
     allocator_calls_per_step: list[dict[str, float]] = field(default_factory=list)
+    #: ThreadLoader rows: per window, its samples decoded by Pillow while nvImageCodec was starting
+    #: (``LoaderStats.started_on_cpu``): whether a window still held the CPU start.
+    started_on_cpu: list[int] = field(default_factory=list)
     startup_s: float | None = None  # building the loader and its first batch's data, the pause left out
     build_s: float | None = None  # the loader's constructor (or its first next(), where that builds it)
     first_batch_s: float | None = None  # after the pause, to the first batch's data ready
@@ -266,6 +269,7 @@ def _window(
     process_cpu = common.cpu_seconds() - process_cpu
     if before is not None and after is not None:
         row.stage_ms_per_batch.append(common.stage_ms(before, after))
+        row.started_on_cpu.append(after.started_on_cpu - before.started_on_cpu)
     if allocations is not None and allocated is not None:
         calls = zip(allocated._fields, allocated, allocations, strict=True)
         row.allocator_calls_per_step.append({name: (now - was) / steps for name, now, was in calls})

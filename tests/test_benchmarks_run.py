@@ -509,7 +509,7 @@ def test_a_training_windows_counts_are_over_its_clock_not_the_walks_over_proc(
 
     status = tmp_path / "status"
     switches = {"voluntary": 100, "involuntary": 50}
-    loader = {"batches": 7, "read": 1.0}
+    loader = {"batches": 7, "read": 1.0, "cpu": 0}
 
     def write_status() -> None:
         status.write_text(
@@ -522,10 +522,13 @@ def test_a_training_windows_counts_are_over_its_clock_not_the_walks_over_proc(
         switches["voluntary"] += 5
         switches["involuntary"] += 3
         loader["read"] += 1.0
+        loader["cpu"] += 100
         write_status()
 
     def stats() -> Any:
-        return types.SimpleNamespace(batches=loader["batches"], stage_seconds={"read": loader["read"]})
+        return types.SimpleNamespace(
+            batches=loader["batches"], stage_seconds={"read": loader["read"]}, started_on_cpu=loader["cpu"]
+        )
 
     def stream() -> Any:
         while True:
@@ -536,6 +539,7 @@ def test_a_training_windows_counts_are_over_its_clock_not_the_walks_over_proc(
         _spin(SPIN_S)
         switches["voluntary"] += 1
         loader["read"] += 0.004
+        loader["cpu"] += 2
         write_status()
 
     write_status()
@@ -547,5 +551,6 @@ def test_a_training_windows_counts_are_over_its_clock_not_the_walks_over_proc(
     assert row.main_voluntary_per_step == [1.0] and row.main_involuntary_per_step == [0.0], row
     ((stage,),) = (list(s.items()) for s in row.stage_ms_per_batch)
     assert stage == ("read", pytest.approx(4.0)), row.stage_ms_per_batch
+    assert row.started_on_cpu == [2 * steps], row.started_on_cpu
     (ms,), (cores,) = row.ms_per_step, row.process_cores
     assert cores == pytest.approx(steps * SPIN_S / (ms * steps / 1000), abs=0.15), (cores, ms)
