@@ -7,6 +7,7 @@ import random
 import re
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,3 +302,164 @@ def test_a_resumed_epoch_decodes_the_uninterrupted_groups(
     assert [targets for _, targets in got] == [targets for _, targets in expected[consumed:]]
     for (images, targets), (reference, _) in zip(got, expected[consumed:], strict=True):
         assert torch.equal(images, reference), f"pixels differ in the batch of samples {targets}"
+
+
+# -- a transform's or collate_fn's error inside a group: raised at its batch ----------------------
+
+
+class _RefuseSmall(Transform):
+    """Leaves images as they are, but refuses a 16x16 one (the sample that tests mark)."""
+
+    def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+        if tuple(images.shape[-2:]) == (16, 16):
+            raise ValueError("refusing a 16x16 image: give it 24x32")
+        return images
+
+
+@pytest.fixture(scope="module")
+def marked(samples: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    """The samples with sample 9 (third batch of four, in the first group of 12) made 16x16."""
+    changed = list(samples)
+    changed[9] = (encode(photo(16, 16, seed=309), quality=90), 9)
+    return changed
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_a_transform_error_inside_a_group_is_raised_at_its_batch(
+    marked: list[tuple[bytes, int]], num_threads: int
+) -> None:
+    # It escaped the group's making: raised at the group's first batch, it took [0..3] and [4..7].
+    options = dict(batch_size=4, decode_batch_size=12, num_threads=num_threads, device="cpu")
+    received = []
+    with ThreadLoader(marked, transform=_RefuseSmall(), **options) as loader:  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="refusing a 16x16 image: give it 24x32") as caught:
+            for images, targets in loader:
+                received.append((images, targets.tolist()))
+        assert [targets for _, targets in received] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        for images, targets in received:
+            for image, target in zip(images, targets, strict=True):
+                assert mean_abs_diff(image, pil_reference(marked[target][0])) == 0
+        # The user's exception itself: its type, and a traceback down to the line that raised it.
+        assert type(caught.value) is ValueError
+        assert caught.traceback[-1].name == "apply" and caught.traceback[-1].path == Path(__file__)
+        again = [targets.tolist() for _, (_, targets) in zip(range(2), loader, strict=False)]
+        assert again == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a new pass starts over
+
+
+class _RefuseBlack(Transform):
+    """Leaves images as they are, but refuses a batch holding an all-black one."""
+
+    def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+        if bool((images.flatten(-3).amax(-1) == 0).any()):
+            raise ValueError("refusing a black image")
+        return images
+
+
+def test_a_transform_error_in_a_group_of_regions_transformed_at_once_is_raised_at_its_batch(
+    sized: list[tuple[bytes, int]],
+) -> None:
+    # A padded group of regions is transformed in one call: which batch failed is unknown there, so
+    # the batches are made one by one instead, with the crops they get in groups of one batch.
+    black = [*sized[:9], (encode(np.zeros((20, 28, 3), np.uint8), "PNG"), 9), *sized[10:]]
+    refuse = _RefuseBlack()
+    sizes: list[int] = []
+    apply_many = refuse.apply_many
+
+    def counting(images: Images, params: Sequence[object]) -> Images:
+        sizes.append(len(images))
+        return apply_many(images, params)
+
+    refuse.apply_many = counting  # type: ignore[method-assign]
+    epochs = []
+    for group in (12, 4):
+        options = dict(batch_size=4, decode_batch_size=group, num_threads=1, seed=0, decoder=RegionDecoder())
+        transform = [RandomResizedCrop(16), RandomHorizontalFlip(), refuse]
+        received = []
+        loader = ThreadLoader(black, transform=transform, **options)  # type: ignore[arg-type]
+        with loader, pytest.raises(ValueError, match="refusing a black image"):
+            for images, targets in loader:
+                received.append((images, targets.tolist()))
+        assert [targets for _, targets in received] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        epochs.append(received)
+        if group == 12:  # tried at once (raised), then per batch: the third raised again
+            assert sizes[:4] == [12, 4, 4, 4]
+    _assert_same_epochs(*epochs)
+
+
+def test_batches_after_a_transform_error_in_a_group_are_still_made(samples: list[tuple[bytes, int]]) -> None:
+    # A resumed pass makes its first group again and drops the batches before the state: an error in
+    # one of those (a transform that failed this time only) must not take the batches after it.
+    calls = 0
+
+    class FailsOnItsSecondCall(Transform):
+        def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise OSError("the transform's file server was away")
+            return images
+
+    options = dict(batch_size=4, decode_batch_size=12, num_threads=1, device="cpu")
+    with ThreadLoader(samples, **options) as first:  # type: ignore[arg-type]
+        iterator = iter(first)
+        assert [next(iterator)[1].tolist() for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        state = first.state_dict()
+        del iterator
+    with ThreadLoader(samples, transform=FailsOnItsSecondCall(), **options) as resumed:  # type: ignore[arg-type]
+        resumed.load_state_dict(state)
+        order = [t for _, targets in resumed for t in targets.tolist()]
+    assert calls > 2 and order == list(range(8, N))  # the second call was batch [4..7], dropped
+
+
+def test_a_collate_fn_error_inside_a_group_is_raised_at_its_batch(samples: list[tuple[bytes, int]]) -> None:
+    def refuse_9(targets: list[int]) -> torch.Tensor:
+        if 9 in targets:
+            raise KeyError("no label for sample 9")
+        return torch.tensor(targets)
+
+    received = []
+    options = dict(batch_size=4, decode_batch_size=12, num_threads=2, device="cpu")
+    loader = ThreadLoader(samples, collate_fn=refuse_9, **options)  # type: ignore[arg-type]
+    with loader, pytest.raises(KeyError, match="no label for sample 9"):
+        for _, targets in loader:
+            received.append(targets.tolist())
+    assert received == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_stop_iteration_from_a_transform_inside_a_group_is_raised_at_its_batch(
+    marked: list[tuple[bytes, int]],
+) -> None:
+    # Raised on by next() as it was, it would end the pass there, as if the epoch were complete.
+    class RunsDry(Transform):
+        def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+            if tuple(images.shape[-2:]) == (16, 16):
+                next(iter([]))
+            return images
+
+    received = []
+    options = dict(batch_size=4, decode_batch_size=12, device="cpu", transform=RunsDry())
+    loader = ThreadLoader(marked, **options)  # type: ignore[arg-type]
+    with loader, pytest.raises(RuntimeError, match="a reader's work raised StopIteration") as caught:
+        for _, targets in loader:
+            received.append(targets.tolist())
+    assert received == [[0, 1, 2, 3], [4, 5, 6, 7]] and isinstance(caught.value.__cause__, StopIteration)
+
+
+class _Abort(BaseException):
+    """Not an ``Exception``: as ``KeyboardInterrupt`` or ``SystemExit``, it stops, it is no batch's error."""
+
+
+def test_a_base_exception_from_a_transform_fails_its_whole_group(marked: list[tuple[bytes, int]]) -> None:
+    class Aborts(Transform):
+        def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+            if tuple(images.shape[-2:]) == (16, 16):
+                raise _Abort("stop")
+            return images
+
+    received = []
+    options = dict(batch_size=4, decode_batch_size=12, device="cpu", transform=Aborts())
+    loader = ThreadLoader(marked, **options)  # type: ignore[arg-type]
+    with loader, pytest.raises(_Abort, match="stop"):
+        for _, targets in loader:
+            received.append(targets.tolist())
+    assert received == []  # at the group's first batch: no batch of it is handed out

@@ -1529,6 +1529,36 @@ def test_decode_batch_size_below_the_batch_says_what_the_calls_get(blobs: list[b
     loader.close()
 
 
+def test_decode_batch_size_under_a_batch_sampler_says_what_the_calls_get(blobs: list[bytes]) -> None:
+    """On the CPU a batch_sampler's loader decodes one batch a call, and said decode_batch_size 1."""
+    calls: list[int] = []
+
+    class Counting(PillowDecoder):
+        def decode(self, encoded: Any, **options: Any) -> Any:
+            calls.append(len(encoded))
+            return super().decode(encoded, **options)
+
+    options: dict[str, Any] = {"decoder": Counting(), "size": (8, 8), "num_threads": 1}
+    sampler = BatchSampler(SequentialSampler(range(8)), batch_size=3, drop_last=False)
+    with ThreadLoader(blobs[:8], batch_sampler=sampler, **options) as loader:
+        assert loader.decode_batch_size == 3
+        assert [len(images) for images, _ in loader] == [3, 3, 2]
+    assert calls == [3, 3, 2]
+    # Batches of sizes only known as they come: one a call, a number no call has, so none.
+    calls.clear()
+    with ThreadLoader(blobs[:8], batch_sampler=[[0, 1, 2, 3, 4], [5], [6, 7]], **options) as loader:
+        assert loader.decode_batch_size is None
+        assert [len(images) for images, _ in loader] == [5, 1, 2]
+    assert calls == [5, 1, 2]
+    # A bound given is kept, and a larger batch is still one call.
+    calls.clear()
+    uneven = [[0, 1], [2], [3, 4, 5, 6, 7]]
+    with ThreadLoader(blobs[:8], batch_sampler=uneven, decode_batch_size=3, **options) as loader:
+        assert loader.decode_batch_size == 3
+        assert [len(images) for images, _ in loader] == [2, 1, 5]
+    assert calls == [3, 5]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="device=None on a machine without a usable GPU")
 def test_a_gpu_backend_is_ignored_where_device_none_finds_no_gpu(blobs: list[bytes]) -> None:
     """A script written for a GPU (backend="cuda") failed on a machine without one, where the other GPU

@@ -765,14 +765,17 @@ def test_a_thread_start_that_fails_part_way_stops_the_threads_already_started(
     assert wait_for_no_reader_threads(5.0) == []
 
 
-@pytest.mark.parametrize("failure", ["batch", "sample"])
+@pytest.mark.parametrize("failure", ["batch", "batch of a group", "sample"])
 def test_an_error_the_consumer_drops_frees_what_its_frames_held(blobs: list[bytes], failure: str) -> None:
     """A failed batch's error, once dropped, holds nothing: without the collector (off here), its
     traceback's frames (the reader's, holding what the batch was made of; the iterator's, holding the
-    loader) were kept in a cycle through the frames that had the error as a local."""
+    loader) were kept in a cycle through the frames that had the error as a local. A batch's error
+    inside a group is one of the group's outcomes, which its frames' callers had as a local."""
     held: list[threading.Event] = []
 
     def failing_collate(targets: list[object]) -> object:
+        if failure == "batch of a group" and 4 not in targets:  # the group's third batch fails
+            return torch.tensor(targets)
         made = torch.zeros(4)  # stands for the batch a reader was making when it failed
         held.append(threading.Event())
         weakref.finalize(made, held[-1].set)
@@ -782,6 +785,9 @@ def test_an_error_the_consumer_drops_frees_what_its_frames_held(blobs: list[byte
         if failure == "batch":
             loader = make(blobs, collate_fn=failing_collate, num_threads=1)
             error: type[Exception] = ValueError
+        elif failure == "batch of a group":
+            loader = make(blobs, collate_fn=failing_collate, num_threads=1, decode_batch_size=6)
+            error = ValueError
         else:
             loader = ThreadLoader([b"not an image", *blobs], batch_size=2, num_threads=2, device="cpu")
             error = ThreadLoaderError
@@ -796,7 +802,7 @@ def test_an_error_the_consumer_drops_frees_what_its_frames_held(blobs: list[byte
     gc.disable()
     try:
         loader = run()
-        if failure == "batch":
+        if failure != "sample":
             assert held and held[0].wait(5)
         assert wait_for_no_reader_threads(5.0) == []
         assert loader() is None

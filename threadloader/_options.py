@@ -159,7 +159,9 @@ class Options:
         return env_flag(REGION_DECODE_ENV, default=True)
 
 
-def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_size: int | None) -> int:
+def decode_batch_size_on(
+    device: torch.device, batch_size: int | None, decode_batch_size: int | None
+) -> int | None:
     """Images per decoder call: ``decode_batch_size``, else 64 on a GPU (or the batch), one batch on the CPU.
 
     A call holds whole batches, so a ``decode_batch_size`` below the batch is one batch a call: what it
@@ -168,11 +170,18 @@ def decode_batch_size_on(device: torch.device, batch_size: int, decode_batch_siz
     The GPU decoder is faster per image on larger calls (docs/benchmarks.md), but a group's decoded
     images and outputs are all in device memory at once: 128 at a time doubled the loader's memory
     and did not feed a training step any faster than 64.
+
+    ``batch_size`` is ``None`` where the batches' size is not known before they come (a
+    ``batch_sampler`` that does not say it): a given value and the GPU's 64 are then bounds that a
+    larger batch still exceeds alone, and the CPU's one batch a call has no number, so it is ``None``
+    (it said 1, which no call held).
     """
     if decode_batch_size is not None:
         check_count("decode_batch_size", decode_batch_size)
-        return max(int(decode_batch_size), batch_size)
-    return max(DEFAULT_BATCH_SIZE, batch_size) if device.type == "cuda" else batch_size
+        return max(int(decode_batch_size), batch_size or 1)
+    if device.type == "cuda":
+        return max(DEFAULT_BATCH_SIZE, batch_size or 1)
+    return batch_size
 
 
 def warm_up_wanted() -> bool:

@@ -26,6 +26,7 @@ from ._sampling import PlannedBatch
 from ._seeding import sample_generator
 from ._sources import Blob, Fetched, Source, fetch_batch, origin_of, read_batch
 from ._stats import StatsRecorder
+from ._workers import consumer_error
 from .decode.base import DecodedBatch, Encoded, ImageDecoder, Region, check_decoded
 from .errors import SampleError
 from .transforms import Transform
@@ -47,8 +48,10 @@ class Batch:
     ready: Ready
 
 
-#: What a reader thread hands over for each batch of a group (see :meth:`BatchProducer.produce`).
-Outcome = Batch | SampleError | None
+#: What a reader thread hands over for each batch of a group (see :meth:`BatchProducer.produce`): the
+#: batch; ``None`` when every sample of it was skipped; or the error the consumer raises when it reaches
+#: that batch (a :class:`SampleError`, or what the user's transform or ``collate_fn`` raised).
+Outcome = Batch | Exception | None
 
 
 class BatchProducer:
@@ -67,7 +70,8 @@ class BatchProducer:
             from a generator seeded by (``seed``, epoch, sample index) and the image's size, which the
             decoder may know from the header: a random crop then decodes only its region.
         seed: See ``transform``.
-        collate: Turns the list of a batch's targets into its ``targets``; what it raises fails the group.
+        collate: Turns the list of a batch's targets into its ``targets``; what it raises is that batch's
+            outcome, as a transform's is.
     """
 
     def __init__(
@@ -109,12 +113,20 @@ class BatchProducer:
         tensor (random-crop regions, or images of different sizes), with no failed sample, is also
         transformed and formatted at once
         (the transforms' host cost is mostly per call, not per image); each batch is then a copy of its
-        rows, so it owns its memory as a batch formatted alone does.
+        rows, so it owns its memory as a batch formatted alone does. Where that raises, the batches are
+        formatted one by one (:meth:`_format_group`).
 
         Returns:
             One outcome per batch, in order: the :class:`Batch`; ``None`` when every sample of it was
-            skipped; or, with ``on_error="raise"``, the :class:`SampleError` of its first bad sample, which
-            ends the list (the consumer raises it when it reaches that batch).
+            skipped; with ``on_error="raise"``, the :class:`SampleError` of its first bad sample; or the
+            exception the transform or ``collate`` raised making it (a ``StopIteration`` as a
+            ``RuntimeError``). The consumer raises an error when it reaches its batch, so the batches
+            before it are handed out; the batches after it are made all the same (see :meth:`_split`).
+
+        Raises:
+            Cancelled: The thread was asked to stop; neither it nor a ``KeyboardInterrupt`` (any
+                ``BaseException`` but an ``Exception``) is a batch's outcome: they fail the group.
+            Exception: What failed the group as a whole (the decoder call, say): raised at its first batch.
         """
         group = self._read(batches)
         check_cancelled()
@@ -165,7 +177,7 @@ class BatchProducer:
         # call); the output format alone is one kernel per batch on the GPU, so batches are formatted
         # one by one and own their memory without a copy.
         formatted = (
-            self._format(decoded, 0, len(group.refs), plans)
+            self._format_group(decoded, plans)
             if self._transform is not None
             and decoded is not None
             and not any(errors)
@@ -181,6 +193,7 @@ class BatchProducer:
             if failed and self._on_error == "raise":
                 # The batches after it are still made: a resumed pass drops the head of its first
                 # group, and an error in a batch delivered before the checkpoint must not take them.
+                # So are they after a transform's or collate's error (_batch), for the same reason.
                 self._stats.count("errors", len(failed))
                 outcomes.append(failed[0])
                 first = last
@@ -193,23 +206,62 @@ class BatchProducer:
             if decoded is None or not kept:
                 outcomes.append(None)
             else:
-                images = (
-                    self._format(decoded, first, last, plans)
-                    if formatted is None
-                    else _own_rows(formatted, first, last)
-                )
-                # Collated before the seal: a collate_fn's CUDA tensors are made on this stream too.
-                targets = self._collate([group.refs[p][2] for p in kept])
-                outcomes.append(
-                    Batch(
-                        images=images,
-                        targets=targets,
-                        indices=[group.refs[p][0] for p in kept],
-                        ready=reader.seal(images if isinstance(images, list) else [images], targets),
-                    )
-                )
+                outcomes.append(self._batch(group, decoded, kept, (first, last), plans, formatted, reader))
             first = last
-        return outcomes
+        try:
+            return outcomes
+        finally:  # an error among them holds this frame (its traceback's frames' f_back): not them in turn
+            del outcomes
+
+    def _format_group(self, decoded: DecodedBatch, plans: _Plans | None) -> Images | None:
+        """The whole group transformed and formatted at once; ``None`` where that raises.
+
+        An error there is on some image of the group, but of which batch is unknown: raised at the
+        group's first batch, it would take the batches before the failing one. So the batches are
+        then formatted one by one, as a group of other images is, and each gets its own outcome. A
+        transform that fails only on a whole group (out of memory, say) then fails no batch; one that
+        fails on an image fails that image's batch again (its parameters were drawn once: the same).
+        ``Cancelled`` and ``KeyboardInterrupt`` are not caught.
+        """
+        try:
+            return self._format(decoded, 0, len(decoded.extents), plans)
+        except Exception:
+            return None
+
+    def _batch(
+        self,
+        group: _Group,
+        decoded: DecodedBatch,
+        kept: list[int],
+        span: tuple[int, int],
+        plans: _Plans | None,
+        formatted: Images | None,
+        reader: ReaderStream,
+    ) -> Batch | Exception:
+        """The batch of decoder positions ``span`` (``kept``: those decoded), made and sealed; or its error.
+
+        What the transform, the format or ``collate`` raises making it is this batch's outcome alone, as
+        a bad sample's error is: the consumer gets the batches before it, then the exception, unchanged
+        (its traceback runs from here to where it was raised). ``Cancelled`` and ``KeyboardInterrupt``
+        (an ``Exception`` only is caught) are no batch's: they stop the group.
+        """
+        first, last = span
+        try:
+            images = (
+                self._format(decoded, first, last, plans)
+                if formatted is None
+                else _own_rows(formatted, first, last)
+            )
+            # Collated before the seal: a collate_fn's CUDA tensors are made on this stream too.
+            targets = self._collate([group.refs[p][2] for p in kept])
+            return Batch(
+                images=images,
+                targets=targets,
+                indices=[group.refs[p][0] for p in kept],
+                ready=reader.seal(images if isinstance(images, list) else [images], targets),
+            )
+        except Exception as exc:
+            return consumer_error(exc)
 
     def _format(self, decoded: DecodedBatch, first: int, last: int, plans: _Plans | None) -> Images:
         """Transforms and formats the decoded images at positions ``first:last`` (those not failed)."""

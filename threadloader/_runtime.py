@@ -52,13 +52,15 @@ class Runtime:
 
     Args:
         options: The front end's options.
-        batch_size: Its batch (the GPU decoder's default images per call follow it).
+        batch_size: Its batch (the GPU decoder's default images per call follow it); ``None`` where the
+            batches' size is not known before they come (a ``batch_sampler`` that does not say it).
         decode_batch_size: Images per decoder call; ``None``: the device's default for ``batch_size``.
 
     Attributes:
         device: Where batches are made (the decoder's, for a decoder passed in).
         num_threads: Reader (or worker) threads, one per entry of ``readers``.
-        decode_batch_size: Images per decoder call.
+        decode_batch_size: Images per decoder call, at most (a larger batch is one call); ``None``: one
+            batch a call, of a size not known before it comes (the CPU's default for ``batch_size=None``).
         decoder: The decoder.
         output: The output format.
         readers: One CUDA stream per reader thread (nothing on the CPU).
@@ -69,7 +71,9 @@ class Runtime:
             is not 1 or 0 (on every device).
     """
 
-    def __init__(self, options: Options, *, batch_size: int, decode_batch_size: int | None = None) -> None:
+    def __init__(
+        self, options: Options, *, batch_size: int | None, decode_batch_size: int | None = None
+    ) -> None:
         # Both read here on every device, though only a GPU decoder uses them: a typo in either raised on
         # a GPU machine only, after the script had run without complaint on the CPU.
         options.regions()
@@ -89,9 +93,9 @@ class Runtime:
         self._built = decoder is None
         self._decoder_closed = threading.Event()  # set once the decoder built here has been closed
         if decoder is None:
-            decoder = build_decoder(
-                options, self.device, threads=self.num_threads, batch=self.decode_batch_size
-            )
+            # ``None`` only on the CPU, whose decoder takes no batch size.
+            batch = self.decode_batch_size or 1
+            decoder = build_decoder(options, self.device, threads=self.num_threads, batch=batch)
         self.decoder = decoder
         if self.decoder.warms_up and warm_up:
             # Loads the decoder, on the readers' streams, while the caller builds the rest; meanwhile
@@ -143,10 +147,8 @@ class Runtime:
         reader = self.readers[thread]
         warmup, cpu = self._warmup, self._cpu_start
         if warmup is not None and cpu is not None and not warmup.done and self.decoder.starting:
-            outcomes = producer.using(cpu).produce(batches, reader, epoch=epoch)
-            started = sum(len(outcome.indices) for outcome in outcomes if isinstance(outcome, Batch))
-            producer.stats.count("started_on_cpu", started)
-            return outcomes
+            # No local holds the outcomes: an error among them holds this frame (see loader._produce_on).
+            return _counted_on_cpu(producer, producer.using(cpu).produce(batches, reader, epoch=epoch))
         if warmup is not None:
             warmup.wait()  # returns at once after the first group: the warm-up ran once, at construction
         return producer.produce(batches, reader, epoch=epoch)
@@ -201,6 +203,13 @@ class Runtime:
         """
         if not warmup.then(self._close_decoder) and not sys.is_finalizing():
             self._decoder_closed.wait(RELEASE_WAIT)
+
+
+def _counted_on_cpu(producer: BatchProducer, outcomes: list[Outcome]) -> list[Outcome]:
+    """``outcomes``, their batches' samples counted as ``started_on_cpu``."""
+    started = sum(len(outcome.indices) for outcome in outcomes if isinstance(outcome, Batch))
+    producer.stats.count("started_on_cpu", started)
+    return outcomes
 
 
 def build_decoder(options: Options, device: torch.device, *, threads: int, batch: int) -> ImageDecoder:

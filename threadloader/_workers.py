@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "WeakRegistry",
     "available_cpus",
     "close_deadline",
+    "consumer_error",
     "uninterrupted",
 ]
 
@@ -492,12 +493,8 @@ class OrderedPool(Generic[T]):
             result: tuple[bool, Any] = (True, self._work(task, index))
         except Cancelled:  # the pool is being closed (the exit hook cancels it before it shuts it): a
             return False  # result handed in meanwhile would make the consumer raise Cancelled
-        except StopIteration as exc:  # raised on by next(), the consumer would end its pass there
-            error = RuntimeError(f"a reader's work raised StopIteration: {exc}".rstrip(": "))
-            error.__cause__ = exc
-            result = (False, error)
         except BaseException as exc:
-            result = (False, exc)
+            result = (False, consumer_error(exc))
         try:
             with self._cv:
                 if self.closed:
@@ -508,6 +505,24 @@ class OrderedPool(Generic[T]):
             return True
         finally:
             del result
+
+
+@overload
+def consumer_error(exc: Exception) -> Exception: ...
+@overload
+def consumer_error(exc: BaseException) -> BaseException: ...
+def consumer_error(exc: BaseException) -> BaseException:
+    """An error of a reader's work as the consumer raises it: itself, but for a ``StopIteration``.
+
+    Raised on by the consumer's ``next()``, a ``StopIteration`` (a helper's ``next()`` that ran dry in a
+    transform or ``collate_fn``) would end the pass as if the epoch were complete, batches short: it
+    becomes a ``RuntimeError`` that says so, with it as the cause.
+    """
+    if not isinstance(exc, StopIteration):
+        return exc
+    error = RuntimeError(f"a reader's work raised StopIteration: {exc}".rstrip(": "))
+    error.__cause__ = exc
+    return error
 
 
 def available_cpus() -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler
 
 from ._checks import check_count, check_switch
 from ._options import DEFAULTS, Options
@@ -32,7 +33,7 @@ from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
 from ._workers import OrderedPool, WeakRegistry, close_deadline, uninterrupted
 from .decode.base import ImageDecoder
-from .errors import LoaderClosedError, SampleError
+from .errors import LoaderClosedError
 from .transforms import Transform
 
 __all__ = ["ThreadLoader"]
@@ -131,15 +132,19 @@ class ThreadLoader:
             many images, then split (the GPU decoder is faster on large batches, and each image of a
             call is in device memory at once). Default 64 on a GPU (or ``batch_size``, if larger),
             ``batch_size`` on the CPU (each Pillow thread decodes one batch). A call holds at least one
-            batch: a value below ``batch_size`` is ``batch_size``.
+            batch: a value below ``batch_size`` is ``batch_size``. With a ``batch_sampler``, a torch
+            ``BatchSampler``'s ``batch_size`` stands for ``batch_size``; another's batch sizes are
+            known only as they come: the bound is then 64 on a GPU or the value given (a larger batch
+            is one call), and the CPU's default, one batch a call, has no number
+            (``loader.decode_batch_size`` is ``None``).
         transform: A transform or a list of them (``threadloader.transforms``: Resize, CenterCrop,
             RandomResizedCrop, RandomHorizontalFlip, Normalize, ToDtype), applied to each image after
             decoding, on the reader's stream. Random parameters are a function of (seed, epoch, sample
             index, and which time in the epoch the sampler gives it): the same on every run and thread
             count. With a fixed output size (a crop, a resize to (H, W)) and ``size=None``, batches
             are stacked at that size. What a transform raises is no sample error (``on_error`` does
-            not apply): it is raised in the loop as ``collate_fn``'s is, at the first batch of its
-            decode group.
+            not apply): it is raised in the loop at its batch, as ``collate_fn``'s is, after the
+            batches before it, decoded in the same call or not.
         max_pixels: Decompression-bomb guard: an image whose header declares more pixels is a sample
             error, decoded by nobody. Default: Pillow's limit (about 89.5 million); ``None``: no limit.
         region_decode: On a GPU, decode only the region a leading random crop keeps (checked once
@@ -153,9 +158,7 @@ class ThreadLoader:
             (``None`` each, for a source without targets), in a reader thread: ``list`` keeps detection
             boxes of different counts as they are. Unlike DataLoader's, it sees only the targets: the
             loader decodes and stacks the images. Default: like ``default_collate``, and ``None`` for
-            a source without targets. What it raises is raised in the loop, at its batch; where a
-            decode group holds several batches (the GPU's default, or ``decode_batch_size`` above
-            ``batch_size``), at the group's first batch.
+            a source without targets. What it raises is raised in the loop, at its batch.
         pin_memory: Copy each batch's CPU tensors (the images on the CPU path; tensor targets, also in
             dicts, lists and tuples) into pinned memory, in the reader thread, so that
             ``.cuda(non_blocking=True)`` copies them asynchronously. Needs CUDA: without it, a warning,
@@ -164,6 +167,9 @@ class ThreadLoader:
     Attributes:
         rank: The shard this process loads (see ``rank``).
         world_size: The number of shards.
+        decode_batch_size: Most images per decoder call (a batch larger than it is one call), as
+            ``decode_batch_size`` says; ``None`` on the CPU by default under a ``batch_sampler`` that is
+            not a ``BatchSampler``: each call decodes one of its batches, whatever its size.
 
     Example:
         >>> with ThreadLoader("train/", batch_size=64, shuffle=True, size=(224, 224),
@@ -254,7 +260,9 @@ class ThreadLoader:
         self.prefetch = prefetch
         self._stats = StatsRecorder()
         self._runtime = runtime = Runtime(
-            options, batch_size=plan_batch_size or 1, decode_batch_size=decode_batch_size
+            options,
+            batch_size=_batch_size_of(batch_sampler) if batch_sampler is not None else plan_batch_size,
+            decode_batch_size=decode_batch_size,
         )
         try:
             self.device, self.num_threads = runtime.device, runtime.num_threads
@@ -310,7 +318,9 @@ class ThreadLoader:
             # the user's sampler, which may block (a streaming sampler waiting for work).
             try:
                 groups, drop = resume_groups(
-                    progress.count(self._plan.batches(epoch)), self.decode_batch_size, progress.start
+                    progress.count(self._plan.batches(epoch)),
+                    self.decode_batch_size or 1,  # None: one batch a call, whatever its size
+                    progress.start,
                 )
             except Exception:  # the sampler failed at its start: a pass that raised, as in next()
                 progress.raised = True
@@ -397,9 +407,10 @@ class ThreadLoader:
         As ``torchdata``'s ``StatefulDataLoader``: after ``k`` batches of an epoch it says "epoch ``e``
         after ``k`` batches"; once an epoch has ended, "the next epoch, from its start". Batches are
         counted as the consumer received them (not as reader threads prefetched them), and a batch
-        left empty by ``on_error="skip"`` counts as passed. A batch that raised :class:`SampleError`
-        is not passed: resuming raises it again. A :meth:`set_epoch` after a pass that stopped early
-        (``break``, an error) decides the next pass, so it is what this says.
+        left empty by ``on_error="skip"`` counts as passed. A batch that raised (its
+        :class:`SampleError`, or the transform's or ``collate_fn``'s error) is not passed: resuming
+        makes it again. A :meth:`set_epoch` after a pass that stopped early (``break``, an error)
+        decides the next pass, so it is what this says.
         """
         with self._lock:
             progress = self._progress
@@ -527,11 +538,19 @@ class ThreadLoader:
 def _produce_on(
     runtime: Runtime, producer: BatchProducer, epoch: int, pin: bool, batches: list[list[int]], thread: int
 ) -> list[Outcome]:
-    outcomes = runtime.produce(producer, batches, thread, epoch=epoch)
+    # No local holds the outcomes: a batch's error among them holds this frame (its traceback's frames
+    # keep their callers' frames, f_back), and held by it in turn, it would outlive the consumer's drop
+    # of it, in a cycle, until the garbage collector ran (tests/test_shutdown.py).
     if pin:
-        for outcome in outcomes:
-            if isinstance(outcome, Batch):
-                outcome.images, outcome.targets = _pinned(outcome.images), _pinned(outcome.targets)
+        return _pin_batches(runtime.produce(producer, batches, thread, epoch=epoch))
+    return runtime.produce(producer, batches, thread, epoch=epoch)
+
+
+def _pin_batches(outcomes: list[Outcome]) -> list[Outcome]:
+    """``outcomes``, each batch's CPU tensors copied to pinned memory (see ``pin_memory``)."""
+    for outcome in outcomes:
+        if isinstance(outcome, Batch):
+            outcome.images, outcome.targets = _pinned(outcome.images), _pinned(outcome.targets)
     return outcomes
 
 
@@ -592,8 +611,8 @@ class _EpochIterator:
             self._progress.finish()
             self.close()
             raise
-        except Exception:  # a SampleError in its first batch: a loop that goes on runs the next epoch
-            self._progress.raised = True
+        except Exception:  # a batch's error (its sample's, its transform's): a loop that goes on
+            self._progress.raised = True  # runs the next epoch
             self.close()
             raise
         except BaseException:  # a Ctrl-C while waiting: no batch, no epoch
@@ -628,7 +647,7 @@ class _EpochIterator:
                 outcome = self._pending.popleft()
             except IndexError:  # emptied by close() in another thread
                 continue
-            if isinstance(outcome, SampleError):
+            if isinstance(outcome, Exception):  # a bad sample's, or the transform's or collate_fn's
                 try:
                     raise outcome
                 finally:  # the traceback holds this frame, which holds the iterator and its loader
@@ -691,6 +710,18 @@ def _plan_batch_size(batch_size: int | None, batch_sampler: object) -> int | Non
     if batch_size is not _DEFAULT_BATCH_SIZE:
         return batch_size
     return None if batch_sampler is not None else int(batch_size)
+
+
+def _batch_size_of(batch_sampler: object) -> int | None:
+    """The size of a ``batch_sampler``'s batches where it says it (torch's ``BatchSampler``), else ``None``.
+
+    Only a ``BatchSampler``'s ``batch_size`` is known to count images per batch (all of them but a
+    short last one); another sampler's attribute of that name may count something else (tokens).
+    """
+    size = getattr(batch_sampler, "batch_size", None) if isinstance(batch_sampler, BatchSampler) else None
+    if not isinstance(size, numbers.Integral) or isinstance(size, bool):
+        return None
+    return int(size) if int(size) > 0 else None
 
 
 def _count_in(state: dict[str, Any], key: str) -> int:

@@ -72,6 +72,11 @@ class Engine:
         )
         # While nvImageCodec starts, Pillow decodes; else it waits for the warm-up (once).
         (outcome,) = self.runtime.produce(producer, [range(len(requests))], worker)
+        if isinstance(outcome, Exception):  # what the transform raised: it fails the whole micro-batch
+            try:
+                raise outcome
+            finally:  # the traceback holds this frame: it must not hold the error in turn
+                del outcome
         if not isinstance(outcome, Batch):  # every image of the batch failed
             return Decoded({}, rejected, None)
         return Decoded(dict(zip(outcome.indices, outcome.images, strict=True)), rejected, outcome.ready.event)
