@@ -599,6 +599,42 @@ def session(results: Path, charts: bool) -> list[str]:
     return _beside_step(found) if found else no_results("session-training*.json")
 
 
+def ramp_table(found: list[ResultFile]) -> list[str]:
+    """Each row's windows in order, from its first batch: img/s, then the decode call and the wait for
+    a free Decoder (host ms per batch), and the samples Pillow decoded while nvImageCodec started."""
+    windows = max(len(row.get("images_per_s") or []) for result in found for row in result.rows)
+    header = ["file", "step", "pipeline", "loader", "per window", *(str(n + 1) for n in range(windows))]
+    measures: list[tuple[str, Callable[[Json], list[float]], str]] = [
+        ("img/s", lambda row: row["images_per_s"], ",.0f"),
+        ("decode ms", lambda row: [s.get("decode", 0.0) for s in row.get("stage_ms_per_batch") or []], ".1f"),
+        (
+            "decode_lock ms",
+            lambda row: [s.get("decode_lock", 0.0) for s in row.get("stage_ms_per_batch") or []],
+            ".1f",
+        ),
+        ("Pillow start", lambda row: row.get("started_on_cpu") or [], ",.0f"),
+    ]
+    body = []
+    for result in found:
+        for row in result.rows:
+            if row["status"] != "ok":
+                continue
+            for name, values, spec in measures:
+                found_values = values(row)
+                if found_values:
+                    cells = [format(value, spec) for value in found_values]
+                    cells += [""] * (windows - len(cells))
+                    body.append([result.path.name, *training_key(row), name, *cells])
+    sources = [line for result in found for line in provenance(result)]
+    return [*table(header, body), *sources]
+
+
+def ramp(results: Path, charts: bool) -> list[str]:
+    """The loader's first windows beside the step, one column each: its start, window by window."""
+    found = load(results, "ramp-training*.json")
+    return ramp_table(found) if found else no_results("ramp-training*.json")
+
+
 def training(results: Path, charts: bool) -> list[str]:
     found = load(results, "training*.json")
     if not found:
@@ -642,6 +678,7 @@ SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
     "throughput": throughput,
     "training": training,
     "session": session,
+    "ramp": ramp,
     "gil": gil,
     "queued": queued,
     "options": options,

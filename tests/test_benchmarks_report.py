@@ -259,3 +259,24 @@ def test_throughput_stage_table_shows_the_rows_that_recorded_stages(tmp_path: Pa
     assert [line for line in lines if ours["name"] in line] == [
         f"| fixed set, 256x256, batch 64 | {ours['name']} | 4.5 | 1.25 | 3.00 |"
     ]
+
+
+def test_the_ramp_section_shows_each_window_in_order(tmp_path: Path) -> None:
+    """A row's windows one column each, in the order they ran: the start shows as it went."""
+    shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
+    data = json.loads((tmp_path / "training.json").read_text())
+    (row,) = [r for r in data["rows"] if r["status"] == "ok" and r["spec"]["loader"] == "threadloader"][:1]
+    row["images_per_s"] = [250.0, 2015.0, 3422.0, 3384.0]
+    row["stage_ms_per_batch"] = [{"decode": 53.6, "decode_lock": 12.9}, {"decode": 27.9, "decode_lock": 13.0}]
+    row["started_on_cpu"] = [1600, 0]
+    data["rows"] = [row]
+    (tmp_path / "ramp-training-h100.json").write_text(json.dumps(data))
+    lines = report.ramp(tmp_path, charts=False)
+    header = next(line for line in lines if line.startswith("| file |"))
+    assert header.endswith("| per window | 1 | 2 | 3 | 4 |")
+    rates = next(line for line in lines if "| img/s |" in line)
+    assert rates.endswith("| img/s | 250 | 2,015 | 3,422 | 3,384 |")
+    waits = next(line for line in lines if "| decode_lock ms |" in line)
+    assert waits.endswith("| decode_lock ms | 12.9 | 13.0 |  |  |")
+    assert next(line for line in lines if "| Pillow start |" in line).endswith("| 1,600 | 0 |  |  |")
+    assert "No results yet (`docs/results/ramp-training*.json`)." in report.page(tmp_path / "none")
