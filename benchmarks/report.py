@@ -600,8 +600,11 @@ def session(results: Path, charts: bool) -> list[str]:
 
 
 def ramp_table(found: list[ResultFile]) -> list[str]:
-    """Each row's windows in order, from its first batch: img/s, then the decode call and the wait for
-    a free Decoder (host ms per batch), and the samples Pillow decoded while nvImageCodec started."""
+    """Each row's windows in order, from its first batch, a line per measure.
+
+    img/s; the decode call and the wait for a free Decoder (host ms per batch); the samples Pillow
+    decoded while nvImageCodec started.
+    """
     windows = max(len(row.get("images_per_s") or []) for result in found for row in result.rows)
     header = ["file", "step", "pipeline", "loader", "per window", *(str(n + 1) for n in range(windows))]
     measures: list[tuple[str, Callable[[Json], list[float]], str]] = [
