@@ -642,6 +642,22 @@ def test_a_pass_that_handed_out_no_batch_is_no_epoch(samples: list[tuple[bytes, 
         assert_same(take(loader), expected[1][3:])
 
 
+def test_passes_running_at_once_are_epochs_one_after_the_other(samples: list[tuple[bytes, int]]) -> None:
+    """A pass started while another has handed out nothing yet (``zip(loader, loader)``, two threads'
+    loops) was taken for a dropped one and ran the same epoch: both passes gave the very same batches,
+    where DataLoader's iterators each draw their own order."""
+    with make(samples, transform=None) as loader:
+        pairs = list(zip(loader, loader, strict=True))
+        assert [first.tolist() for (_, first), _ in pairs] == _distributed_batches(0)
+        assert [second.tolist() for _, (_, second) in pairs] == _distributed_batches(1)
+        assert loader.state_dict()["epoch"] == 2
+    with make(samples, transform=None) as loader:  # a loaded position goes to the first pass alone
+        loader.load_state_dict(round_trip({**loader.state_dict(), "epoch": 1, "batches": 3}))
+        first, second = iter(loader), iter(loader)
+        assert [targets for _, targets in take(second)] == _distributed_batches(2)
+        assert [targets for _, targets in take(first)] == _distributed_batches(1)[3:]
+
+
 def test_set_epoch_after_a_dropped_pass_keeps_a_loaded_position(samples: list[tuple[bytes, int]]) -> None:
     """Load a position, a framework's dropped iter(), then the loop's set_epoch(e) of that epoch: the
     epoch restarted from its first batch, though state_dict() still said the position."""

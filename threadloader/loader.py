@@ -354,7 +354,7 @@ class ThreadLoader:
                 raise LoaderClosedError("this ThreadLoader was closed; create a new one to iterate again")
             epoch, start, given = self._next_epoch, self._resume, self._epoch_given
             latest = self._progress
-            if not given and latest is not None and latest.handed_none():
+            if not given and latest is not None and self._dropped_unrun(latest):
                 epoch, start = latest.epoch, latest.start
             on_sampler = self._plan.epoch_set_on_the_sampler(overridden=given)
             if on_sampler is not None:
@@ -366,6 +366,17 @@ class ThreadLoader:
             self._resume = 0
             self._plan.set_epoch(epoch, given=given)
         return epoch, progress
+
+    def _dropped_unrun(self, progress: _Progress) -> bool:
+        """Whether ``progress``'s pass handed out no batch and has stopped: a framework's ``iter()``.
+
+        One still running is a pass of its own (``zip(loader, loader)``, another thread's loop that
+        waits for its first batch): taken for a dropped one, the next pass ran its epoch again.
+        """
+        return progress.handed_none() and not any(
+            iterator._progress is progress and not iterator._pool.closed
+            for iterator in self._iterators.live()
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch of the next iteration (its shuffle order); later ones count on from it.
@@ -385,7 +396,7 @@ class ThreadLoader:
         epoch = number
         with self._lock:
             latest = self._progress
-            if not self._epoch_given and latest is not None and latest.handed_none():
+            if not self._epoch_given and latest is not None and self._dropped_unrun(latest):
                 # A pass dropped before its first batch (a framework's check) was no epoch: where it
                 # would have started is where the next one starts, a loaded position included.
                 self._next_epoch, self._resume = latest.epoch, latest.start
