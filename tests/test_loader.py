@@ -286,12 +286,13 @@ def test_dataset_returning_pil_image_names_the_fix(blobs: list[bytes], with_targ
     loader.close()
 
 
-@pytest.mark.parametrize("with_target", [False, True])
+@pytest.mark.parametrize("pair", [None, tuple, list])
 def test_dataset_returning_read_file_tensors_is_told_to_return_bytes(
-    blobs: list[bytes], with_target: bool
+    blobs: list[bytes], pair: type | None
 ) -> None:
     """torchvision.io.read_file gives a file's bytes as a 1-D uint8 tensor: the advice to return bytes
-    rather than "a decoded image" was wrong for it."""
+    rather than "a decoded image" was wrong for it, and still was for a ``[data, target]`` list, a pair
+    as much as a tuple is."""
 
     class ReadFileDataset(Dataset):
         def __len__(self) -> int:
@@ -299,13 +300,34 @@ def test_dataset_returning_read_file_tensors_is_told_to_return_bytes(
 
         def __getitem__(self, index: int):
             data = torch.frombuffer(bytearray(blobs[index]), dtype=torch.uint8)
-            return (data, index) if with_target else data
+            return data if pair is None else pair([data, index])
 
+    advice = r"\(torchvision.io.read_file's\) goes as bytes: .*tobytes\(\)"
     with (
         ThreadLoader(ReadFileDataset(), batch_size=2, num_threads=1) as loader,
-        pytest.raises(SampleError, match=r"\(torchvision.io.read_file's\) goes as bytes: .*tobytes\(\)"),
+        pytest.raises(SampleError, match=advice) as info,
     ):
         next(iter(loader))
+    if pair is not None:
+        assert f"got {pair.__name__}(Tensor, int);" in info.value.reason
+
+
+def test_a_decoded_image_returned_as_nested_lists_is_named_in_a_line() -> None:
+    """A dataset that returns ``image.tolist()``: the error names the first element types, not 64."""
+
+    class Listed(Dataset):
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, index: int):
+            return np.zeros((64, 48, 3), np.uint8).tolist()
+
+    with (
+        ThreadLoader(Listed(), batch_size=1, num_threads=1) as loader,
+        pytest.raises(SampleError, match=re.escape("got list(list, list, list, list, ...);")) as info,
+    ):
+        next(iter(loader))
+    assert len(info.value.reason) < 400, info.value.reason
 
 
 # ---------------------------------------------------------------------------------------------- order

@@ -433,7 +433,8 @@ def _error(exc: Exception, index: int, origin: str, stage: str) -> SampleError:
 
 
 def _not_encoded(source: Source, index: int, item: object) -> SampleError:
-    data = item[0] if isinstance(item, tuple) and item else item
+    """Why ``item`` is not a sample, with the fix; a list is looked into as a tuple is (both are pairs)."""
+    data = item[0] if isinstance(item, (tuple, list)) and item else item
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1:
         # torchvision.io.read_file's: a file's bytes, not a decoded image
         hint = "a 1-D uint8 tensor of a file's bytes (torchvision.io.read_file's) goes as bytes: return "
@@ -462,7 +463,14 @@ def _file_kind(mode: int) -> str:
     return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), stat.filemode(mode))
 
 
+#: Element types an error names of a tuple or list it got.
+_TYPES_SHOWN = 4
+
+
 def _type_of(item: object) -> str:
-    if isinstance(item, tuple):
-        return "tuple(" + ", ".join(type(x).__name__ for x in item) + ")"
+    if isinstance(item, (tuple, list)):
+        kind = "list" if isinstance(item, list) else "tuple"
+        # The first few: a decoded image returned as nested lists (image.tolist()) has hundreds.
+        names = [type(x).__name__ for x in item[:_TYPES_SHOWN]] + ["..."] * (len(item) > _TYPES_SHOWN)
+        return kind + "(" + ", ".join(names) + ")"
     return type(item).__module__.split(".")[0] + "." + type(item).__qualname__
