@@ -1533,34 +1533,33 @@ def test_cpu_0_is_the_cpu(blobs: list[bytes]) -> None:
     loader.close()
 
 
+class _CountingCalls(PillowDecoder):
+    """Pillow, recording how many images each decoder call got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def decode(self, encoded: Any, **options: Any) -> Any:
+        self.calls.append(len(encoded))
+        return super().decode(encoded, **options)
+
+
 def test_decode_batch_size_below_the_batch_says_what_the_calls_get(blobs: list[bytes]) -> None:
     """A call holds whole batches: decode_batch_size=2 at batch 4 decoded 4 a call, and said 2."""
-    from threadloader.decode import PillowDecoder
-
-    calls: list[int] = []
-
-    class Counting(PillowDecoder):
-        def decode(self, encoded: Any, **options: Any) -> Any:
-            calls.append(len(encoded))
-            return super().decode(encoded, **options)
-
-    loader = ThreadLoader(blobs[:8], batch_size=4, decode_batch_size=2, decoder=Counting(), size=(8, 8))
+    decoder = _CountingCalls()
+    loader = ThreadLoader(blobs[:8], batch_size=4, decode_batch_size=2, decoder=decoder, size=(8, 8))
     assert loader.decode_batch_size == 4
     assert sum(len(images) for images, _ in loader) == 8
-    assert calls == [4, 4]
+    assert decoder.calls == [4, 4]
     loader.close()
 
 
 def test_decode_batch_size_under_a_batch_sampler_says_what_the_calls_get(blobs: list[bytes]) -> None:
     """On the CPU a batch_sampler's loader decodes one batch a call, and said decode_batch_size 1."""
-    calls: list[int] = []
-
-    class Counting(PillowDecoder):
-        def decode(self, encoded: Any, **options: Any) -> Any:
-            calls.append(len(encoded))
-            return super().decode(encoded, **options)
-
-    options: dict[str, Any] = {"decoder": Counting(), "size": (8, 8), "num_threads": 1}
+    decoder = _CountingCalls()
+    calls = decoder.calls
+    options: dict[str, Any] = {"decoder": decoder, "size": (8, 8), "num_threads": 1}
     sampler = BatchSampler(SequentialSampler(range(8)), batch_size=3, drop_last=False)
     with ThreadLoader(blobs[:8], batch_sampler=sampler, **options) as loader:
         assert loader.decode_batch_size == 3
