@@ -259,3 +259,40 @@ def test_the_cpu_fallback_warning_names_only_extras_pyproject_defines(
         assert not named, message
         assert "install a torch built for CUDA 12 or 13" in message
         assert (f"built for CUDA {cuda}" if cuda else "has no CUDA version") in message
+
+
+@pytest.mark.parametrize("named", ["cpu", "cpu:0", torch.device("cpu", 0)])
+@pytest.mark.parametrize("front_end", ["loader", "service"])
+def test_a_decoder_of_ones_own_takes_the_cpu_named_as_device_takes_it(named: object, front_end: str) -> None:
+    """``PillowDecoder(device="cpu")`` raised "'str' object has no attribute 'type'" when built into a
+    front end, and beside ``device="cpu"`` "device='cpu' but decoder=... decodes on cpu"."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (6, 9, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    expected = torch.from_numpy(np.array(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")))
+    for device in (None, "cpu"):
+        decoder = PillowDecoder(device=named)  # type: ignore[arg-type]
+        if front_end == "loader":
+            with ThreadLoader([buffer.getvalue()], batch_size=1, device=device, decoder=decoder) as loader:
+                assert loader.device == torch.device("cpu")
+                (image,), _ = next(iter(loader))
+        else:
+            with BatchDecoder(device=device, decoder=decoder) as service:
+                assert service.device == torch.device("cpu")
+                image = service.decode(buffer.getvalue())
+        assert torch.equal(image, expected.permute(2, 0, 1))
+
+
+@pytest.mark.parametrize("front_end", ["loader", "service"])
+def test_a_float_dtype_not_made_is_refused_naming_the_ones_that_are(front_end: str) -> None:
+    """``dtype=torch.float8_e4m3fn`` said "dtype must be torch.uint8 or a float type", which it is."""
+    named = r"torch\.uint8, torch\.float32, torch\.float16, torch\.bfloat16 or torch\.float64"
+    with pytest.raises(ValueError, match=rf"^dtype must be {named}, got torch\.float8_e4m3fn$"):
+        if front_end == "loader":
+            ThreadLoader([b"x"], batch_size=1, device="cpu", dtype=torch.float8_e4m3fn)
+        else:
+            BatchDecoder(device="cpu", dtype=torch.float8_e4m3fn)

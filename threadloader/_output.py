@@ -57,7 +57,9 @@ class OutputFormat:
         if self.size is not None:
             object.__setattr__(self, "size", _checked_size(self.size))
         if self.dtype != torch.uint8 and self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"dtype must be torch.uint8 or a float type, got {self.dtype}")
+            # Named one by one: "a float type" refused torch.float8_e4m3fn, which is one.
+            named = ", ".join(str(dtype) for dtype in FLOAT_DTYPES[:-1])
+            raise ValueError(f"dtype must be torch.uint8, {named} or {FLOAT_DTYPES[-1]}, got {self.dtype}")
         if (self.mean is None) != (self.std is None):
             raise ValueError("give mean and std together (normalization needs both)")
         if self.mean is not None and self.std is not None:

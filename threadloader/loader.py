@@ -96,7 +96,7 @@ class ThreadLoader:
         device: ``None`` picks ``"cuda"`` when a GPU and nvImageCodec are usable (``cuda:LOCAL_RANK``
             under torchrun), else ``"cpu"``; also ``"cuda:1"`` or a ``torch.device``.
         size: ``(H, W)``: every image resized to it (bilinear, antialiased) and stacked.
-        dtype: ``torch.uint8``, or a float type scaled to [0, 1].
+        dtype: ``torch.uint8``, or a float type scaled to [0, 1] (float32, float16, bfloat16, float64).
         mean: Per-channel mean to subtract (float dtypes, with ``std``), on the [0, 1] scale.
         std: Per-channel standard deviation to divide by.
         channels_last: Stacked batches in ``torch.channels_last`` memory format (free on the GPU path,

@@ -268,7 +268,7 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         max_delay_ms: Longest a request waits for others to join its batch, counted from its
             submission: the latency spent to buy throughput. ``0`` batches only what is already queued.
         size: ``(H, W)`` to resize every image to; ``None`` keeps each image's size.
-        dtype: ``torch.uint8``, or a float type scaled to [0, 1].
+        dtype: ``torch.uint8``, or a float type scaled to [0, 1] (float32, float16, bfloat16, float64).
         mean: Per-channel mean to subtract (float dtypes, with ``std``), on the [0, 1] scale.
         std: Per-channel standard deviation to divide by.
         channels_last: Results are views of ``channels_last`` batches (needs ``size``).

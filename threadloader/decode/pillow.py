@@ -268,8 +268,9 @@ class PillowDecoder(ImageDecoder):
 
     Args:
         max_pixels: Images whose header declares more pixels are errors.
-        device: Where the images go: the CPU, or a CUDA device, for a GPU loader's first batches while
-            nvImageCodec starts (seconds): each image is copied there on the calling thread's stream.
+        device: Where the images go (a ``torch.device`` or its name): the CPU, or a CUDA device, for a
+            GPU loader's first batches while nvImageCodec starts (seconds): each image is copied there
+            on the calling thread's stream.
         threads: Threads that decode one call's images at once. 1, the default, decodes them in the
             calling thread: the CPU path's parallelism is its reader threads. More is for a GPU
             loader's first batches, which its few readers would otherwise decode one image at a time
@@ -283,7 +284,7 @@ class PillowDecoder(ImageDecoder):
         self,
         *,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
-        device: torch.device | None = None,
+        device: torch.device | str | None = None,
         threads: int = 1,
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
@@ -291,7 +292,9 @@ class PillowDecoder(ImageDecoder):
                 f"threads must be a positive int (1: decode in the calling thread), got {threads!r}"
             )
         check_pixel_limit(max_pixels)
-        self.device = torch.device("cpu") if device is None else device
+        # Parsed as the front ends parse device=: a string ("cpu") broke them, and "cpu:0" is the CPU.
+        parsed = torch.device("cpu") if device is None else torch.device(device)
+        self.device = torch.device("cpu") if parsed.type == "cpu" else parsed
         self.threads: int = int(threads)
         self._max_pixels: int | None = max_pixels
 
