@@ -390,6 +390,18 @@ def test_the_gpu_decoder_takes_only_a_bool_for_upsampling() -> None:
         NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=1, jpeg_fancy_upsampling="no")  # type: ignore[arg-type]
 
 
+def test_the_gpu_decoder_takes_a_devices_name_as_the_front_ends_do() -> None:
+    """``NvImageCodecDecoder("cuda:0")`` failed with an AttributeError on ``str.type``; the CPU is refused
+    saying what to pass. Nothing of nvImageCodec is loaded by the constructor: this runs without a GPU."""
+    import torch
+
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    assert NvImageCodecDecoder("cuda:1", decode_threads=1).device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"got cpu: pass torch.device\('cuda', 0\) or 'cuda:0'"):
+        NvImageCodecDecoder("cpu", decode_threads=1)
+
+
 def test_a_new_decoder_decodes_a_whole_batch_before_anyone_leases_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """nvImageCodec sizes the JPEG engine's share from a Decoder's first call: that call is the pool's
     batch size, not whatever small batch (the warm-up's four photos) would come first; a configuration

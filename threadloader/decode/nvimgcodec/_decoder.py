@@ -137,7 +137,7 @@ class NvImageCodecDecoder(ImageDecoder):
     pools it alone used go, with their Decoders' memory.
 
     Args:
-        device: An indexed CUDA device.
+        device: An indexed CUDA device, or its name (``"cuda:0"``).
         backend: One of :data:`BACKENDS`: ``"auto"`` sends each call to the configuration that has
             been fastest lately (``_pace.py``), the others fix one.
         decode_threads: nvImageCodec's own CPU threads per Decoder.
@@ -163,7 +163,7 @@ class NvImageCodecDecoder(ImageDecoder):
 
     def __init__(
         self,
-        device: torch.device,
+        device: torch.device | str,
         *,
         backend: str = DEFAULT_BACKEND,
         decode_threads: int,
@@ -184,8 +184,12 @@ class NvImageCodecDecoder(ImageDecoder):
         )
         if decode_threads is None:
             raise ValueError("decode_threads must be an int of at least 1, got None")
+        device = torch.device(device)  # a name, as the front ends and PillowDecoder take (AttributeError)
         if device.type != "cuda" or device.index is None:
-            raise ValueError(f"NvImageCodecDecoder needs an indexed CUDA device, got {device}")
+            raise ValueError(
+                f"NvImageCodecDecoder needs an indexed CUDA device, got {device}: "
+                "pass torch.device('cuda', 0) or 'cuda:0'"
+            )
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES} or None, got {engine!r}")
         self.device = device
