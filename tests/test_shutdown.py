@@ -147,6 +147,34 @@ def test_close_with_an_iterator_held(blobs: list[bytes]) -> None:
     assert_all_ended(before)
 
 
+def test_a_signal_handler_inside_the_loaders_locks_can_call_it(blobs: list[bytes]) -> None:
+    """A signal handler runs in the main thread between two of its bytecodes: maybe while that thread
+    lists the loader's iterators or counts a batch it took. A handler's state_dict(), stats() or close()
+    (a checkpoint on SIGTERM) then took those locks again and waited for itself forever."""
+    loader = make(blobs)
+    iterator = iter(loader)
+    next(iterator)
+    got: dict[str, Any] = {}
+
+    def interrupted_inside() -> None:  # the main thread's state when the handler runs, then the handler
+        with loader._iterators._lock:
+            got["state"] = loader.state_dict()
+        with loader._stats._lock:
+            got["batches"] = loader.stats().batches
+        with loader._iterators._lock:
+            loader.close()
+            got["closed"] = True
+
+    thread = threading.Thread(target=interrupted_inside, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), f"the handler waited for its own thread's lock (got {sorted(got)})"
+    assert got["state"]["epoch"] == 0 and got["state"]["batches"] == 1  # one batch taken, of epoch 0
+    assert got["batches"] == 1 and got["closed"]
+    with pytest.raises(LoaderClosedError):
+        next(iterator)
+
+
 def test_close_before_iterating(blobs: list[bytes]) -> None:
     loader = make(blobs)
     loader.close()

@@ -58,10 +58,14 @@ class LoaderStats:
 
 
 class StatsRecorder:
-    """Thread-safe accumulator behind :class:`LoaderStats`."""
+    """Thread-safe accumulator behind :class:`LoaderStats`.
+
+    Re-entrant: the consumer counts each batch it takes here, and a signal handler's ``stats()`` runs
+    in that thread between two bytecodes, maybe inside the count; with a plain lock it waited for itself.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._counts = {
             "batches": 0,
             "samples": 0,

@@ -72,10 +72,13 @@ class WeakRegistry(Generic[T]):
     the caller's, and one that lands while another thread copies the set raises "Set changed size
     during iteration" there (a window the GIL made narrow; free-threaded Python runs it in parallel).
     Here nothing changes outside the lock: dead references are dropped when an object is added.
+    Re-entrant: a signal handler runs in the main thread between two of its bytecodes, so a handler's
+    ``state_dict()`` or ``close()`` (which list a loader's iterators here) may come while that thread
+    is inside ``live()`` itself; with a plain lock it waited for itself forever.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._refs: list[weakref.ref[T]] = []
 
     def add(self, item: T) -> None:
