@@ -333,6 +333,7 @@ class OrderedPool(Generic[T]):
         self._end: int | None = None  # number of tasks, once the iterator is exhausted
         self._results: dict[int, tuple[bool, Any]] = {}
         self._closed_error: Callable[[], BaseException] | None = None  # set once, by the first close
+        self._closed_until: float | None = None  # its wait's deadline (None: the exit hook's, no wait)
         self._eager = min(num_threads, available_cpus())  # threads that take tasks from the start
         self._first_in = False  # the first task's result is in: every thread takes tasks
         self._group = ThreadGroup(
@@ -391,16 +392,23 @@ class OrderedPool(Generic[T]):
             until: The ``time.monotonic()`` deadline of the wait instead, shared by an owner that closes
                 several pools (a loader's iterators each waited a second in turn).
 
-        A pool already closed returns at once: the first close waits for the threads (a consumer's
-        ``next()`` that the close woke closes again, and with a reader stuck in a read waited another
-        second each time).
+        A pool already closed waits for its threads to the first close's deadline, not one of its own
+        (a consumer's ``next()`` that the close woke closes again, and with a reader stuck in a read
+        waited another second each time); and not at once: a close from another thread meanwhile (a
+        ``break`` there) returned while readers still ran the user's code, whose resources the caller
+        would then free under them.
         """
-        if self.closed:
+        with self._cv:
+            closed, first_until = self.closed, self._closed_until
+        if closed:
+            if first_until is not None:
+                self._group.join_until(first_until)
             return
+        deadline = close_deadline(until)
         uninterrupted(
-            functools.partial(self._shut, error),
+            functools.partial(self._shut, error, deadline),
             self._group.cancel,
-            functools.partial(self._group.join_until, close_deadline(until)),
+            functools.partial(self._group.join_until, deadline),
         )
 
     @property
@@ -408,10 +416,10 @@ class OrderedPool(Generic[T]):
         """The pool's threads (for tests and diagnostics)."""
         return self._group.threads
 
-    def _shut(self, error: Callable[[], BaseException]) -> None:
+    def _shut(self, error: Callable[[], BaseException], until: float | None = None) -> None:
         with self._cv:
             if self._closed_error is None:
-                self._closed_error = error
+                self._closed_error, self._closed_until = error, until
             self._results.clear()
             self._cv.notify_all()
 

@@ -624,10 +624,10 @@ class _EpochIterator:
             raise
         except Exception:  # a batch's error (its sample's, its transform's): a loop that goes on
             self._progress.raised = True  # runs the next epoch
-            self.close()
+            self._close_after_error()
             raise
         except BaseException:  # a Ctrl-C while waiting: no batch, no epoch
-            self.close()
+            self._close_after_error()
             raise
         batch.ready.receive()
         self._stats.count_many(batches=1, samples=len(batch.indices))
@@ -666,6 +666,16 @@ class _EpochIterator:
             if outcome is not None:
                 return outcome  # counted by __next__ once handed over
             self._progress.consumed += 1  # a batch whose every sample was skipped: passed
+
+    def _close_after_error(self) -> None:
+        """Closes the pass that ``next()`` raised from; at once where another thread's close woke it.
+
+        That close waits for the readers (one stuck in a read, up to its deadline): the loop need not.
+        """
+        if self._pool.closed:
+            self._pending.clear()
+        else:
+            self.close()
 
     def close(
         self, *, error: Callable[[], BaseException] = StopIteration, until: float | None = None
