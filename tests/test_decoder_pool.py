@@ -739,3 +739,38 @@ def test_the_gpu_decoder_claims_its_pools_until_it_is_closed_or_dropped(
     del second
     gc.collect()
     assert destroyed == [("python", 0, "all", 2, True, 64)]
+
+
+def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace() -> None:
+    """A call of ``backend="auto"`` that waits for the configuration's only Decoder, held by another
+    reader for 0.2 s, is timed from before that wait: the next reader would wait too. Timed from its
+    lease, the configuration looked fastest while its readers queued (the graphed step's start on the
+    JPEG engine, docs/benchmarks.md)."""
+    import torch
+
+    from threadloader._stats import StatsRecorder
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: None)
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend="auto", registry=registry
+    )
+    key = ("fake", 0, "auto", 1, True, 0)
+    registry.claim([key])
+
+    class Call:
+        queued = False
+
+        def result(self) -> dict[int, tuple[int, int] | None]:
+            return {0: (2, 3)}  # the decode itself takes no time
+
+    class Batch:
+        def submit(self, leased: object, memory: dict[int, object], stream: int) -> Call:
+            return Call()
+
+    held = registry.acquire(key, 1)  # another reader's call
+    threading.Timer(0.2, registry.release, args=(key, held)).start()
+    turn = decoder._pace.choose()  # type: ignore[union-attr]
+    decoder._decode_leased([(key, turn, {0: None})], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
+    registry.unclaim([key])
+    assert decoder.pace()[turn.arm] >= 0.2 * 0.9

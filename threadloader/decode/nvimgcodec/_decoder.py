@@ -463,10 +463,12 @@ class NvImageCodecDecoder(ImageDecoder):
         returns: the next reader's call queues inside nvImageCodec (``_registry.py`` says why). A
         sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting for
         a free Decoder is the ``decode_lock`` stage. A call with a turn is timed for the pace of
-        ``backend="auto"``.
+        ``backend="auto"`` from before that wait: a configuration whose Decoders are all busy is slower
+        to the next reader by the wait, and timing from the lease made a queue there look fast.
         """
         decoded = _Decoded()
         for key, turn, memory in calls:
+            started = time.perf_counter()
             try:
                 with stats.timed("decode_lock"):
                     decoder = self._registry.acquire(key, self.gpu_decoders)
@@ -475,7 +477,7 @@ class NvImageCodecDecoder(ImageDecoder):
                     self._pace.abandon(turn)
                 raise
             extents: dict[int, tuple[int, int] | None] = dict.fromkeys(memory)
-            started, took, queued, pending = time.perf_counter(), None, None, None
+            took, queued, pending = None, None, None
             try:
                 with stats.timed("decode"):
                     pending = batch.submit(decoder, memory, handle)

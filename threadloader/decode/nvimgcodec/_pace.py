@@ -116,7 +116,10 @@ class Pace:
             return Turn(arm, self._under_way[arm])
 
     def record(self, turn: Turn, images: int, seconds: float) -> None:
-        """Tells how long ``turn``'s call took for ``images`` images.
+        """Tells how long ``turn``'s call took for ``images`` images, from its choice to its return.
+
+        The time includes any wait for a free Decoder of the configuration: what the next call there
+        would wait too.
 
         ``images=0`` says the call failed: the configuration counts as endlessly slow until it is tried
         again, so a Decoder that fails does not take every call meanwhile.
