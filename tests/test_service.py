@@ -1039,6 +1039,25 @@ def test_a_batch_function_raising_a_non_exception_fails_its_requests_with_a_runt
         assert type(info.value.__cause__) is raised
 
 
+def test_a_non_exception_whose_str_raises_still_fails_its_requests() -> None:
+    """Its text went into the wrapping error's message, and a ``__str__`` that raised there ended the
+    worker with the batch's requests unanswered: their callers waited forever."""
+
+    class Unprintable(BaseException):
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    def fn(items: list[int]) -> list[int]:
+        raise Unprintable
+
+    with MicroBatcher(fn, max_batch=2, max_delay_ms=200, num_threads=1) as batcher:
+        futures = [batcher.submit(i) for i in range(2)]
+        for future in futures:
+            with pytest.raises(RuntimeError, match=r"raised Unprintable: <its str\(\) raised ValueError>"):
+                future.result(5)
+        assert batcher.submit(3).exception(5) is not None  # the worker goes on
+
+
 def test_a_done_callbacks_system_exit_stays_with_its_request() -> None:
     """It went to the batch's other requests (a successful batch), or ended the worker with them
     unanswered (a failed one)."""

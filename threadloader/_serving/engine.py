@@ -141,7 +141,11 @@ def _deliverable(exc: BaseException) -> BaseException:
     """
     if isinstance(exc, Exception) and not isinstance(exc, (StopIteration, StopAsyncIteration)):
         return exc
-    wrapped = RuntimeError(f"the batch function raised {type(exc).__name__}: {exc}".rstrip(": "))
+    try:
+        text = str(exc)
+    except Exception as error:  # a __str__ that raises ended the worker here, its requests unanswered
+        text = f"<its str() raised {type(error).__name__}>"
+    wrapped = RuntimeError(f"the batch function raised {type(exc).__name__}: {text}".rstrip(": "))
     wrapped.__cause__ = exc
     return wrapped
 
