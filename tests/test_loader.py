@@ -595,14 +595,34 @@ def test_sampler_and_shuffle_are_mutually_exclusive(indexed: list[tuple[bytes, i
         DataLoader(range(4), sampler=[0, 1], shuffle=True)
 
 
-@pytest.mark.parametrize("name", ["shuffle", "drop_last", "pin_memory"])
-@pytest.mark.parametrize("value", ["no", None, 2, [True]])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (name, value)
+        for name in ("shuffle", "drop_last", "pin_memory")
+        for value in ("no", None, 2, [True])
+        if (name, value) != ("shuffle", None)  # DataLoader's default: the test below
+    ],
+)
 def test_a_switch_takes_true_or_false_only(
     indexed: list[tuple[bytes, int]], name: str, value: object
 ) -> None:
     """Any object is truthy: shuffle="no" shuffled and drop_last="no" dropped the last batch."""
-    with pytest.raises(TypeError, match=rf"{name} must be True or False, got {re.escape(repr(value))}"):
+    also = " or None" if name == "shuffle" else ""
+    with pytest.raises(
+        TypeError, match=rf"{name} must be True(,| or) False{also}, got {re.escape(repr(value))}"
+    ):
         ThreadLoader(indexed, device="cpu", **{name: value})
+
+
+def test_shuffle_none_is_dataloaders_default_no_shuffle(indexed: list[tuple[bytes, int]]) -> None:
+    """DataLoader's ``shuffle`` defaults to None: code that passes its own default along was refused."""
+    sampler = [5, 1, 3, 0]
+    with ThreadLoader(indexed, device="cpu", batch_size=2, shuffle=None) as loader:
+        assert [t.tolist() for _, t in loader] == [t.tolist() for t in DataLoader([t for _, t in indexed], 2)]
+    with ThreadLoader(indexed, device="cpu", batch_size=2, shuffle=None, sampler=sampler) as loader:
+        expected = DataLoader([t for _, t in indexed], 2, shuffle=None, sampler=sampler)
+        assert [t.tolist() for _, t in loader] == [t.tolist() for t in expected]
 
 
 @pytest.mark.parametrize("value", [True, False, 1, 0, np.True_, np.False_])

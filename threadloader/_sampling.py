@@ -52,7 +52,7 @@ class BatchPlan:
         *,
         num_samples: int,
         batch_size: int | None,
-        shuffle: bool,
+        shuffle: bool | None,
         seed: int,
         sampler: Iterable[int] | None,
         batch_sampler: Iterable[list[int]] | None,
@@ -60,7 +60,8 @@ class BatchPlan:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        shuffle = check_switch("shuffle", shuffle)
+        # None is DataLoader's default, "no shuffle": code that passes its own default along passes it.
+        shuffle = False if shuffle is None else check_switch("shuffle", shuffle, also="or None")
         drop_last = check_switch("drop_last", drop_last)
         for name, given, of in (
             ("sampler", sampler, "indices (a torch.utils.data.Sampler)"),

@@ -71,7 +71,8 @@ class ThreadLoader:
             map-style dataset whose ``__getitem__`` returns either; or a directory with one sub-folder
             per class (:class:`ImageFolder` order).
         batch_size: Samples per batch (default 32); leave it unset with ``batch_sampler``.
-        shuffle: Reshuffle every epoch; the order is a function of ``(seed, epoch)`` only.
+        shuffle: Reshuffle every epoch; the order is a function of ``(seed, epoch)`` only. ``None``, as
+            DataLoader takes it, is ``False``.
         seed: Seed of the shuffle; ``None`` draws one from torch's global generator at construction, so
             ``torch.manual_seed`` makes it reproducible. The permutation is ``DistributedSampler``'s
             for the same seed. With ``world_size > 1`` and ``shuffle``, pass it (the same on every rank).
@@ -183,7 +184,7 @@ class ThreadLoader:
         source: Any,
         *,
         batch_size: int | None = _DEFAULT_BATCH_SIZE,
-        shuffle: bool = False,
+        shuffle: bool | None = False,
         seed: int | None = None,
         sampler: Iterable[int] | None = None,
         batch_sampler: Iterable[list[int]] | None = None,
