@@ -699,6 +699,74 @@ def test_a_daemon_thread_iterating_at_exit_ends_silently(tmp_path: Path) -> None
     assert not alarms(result.stderr), result.stderr
 
 
+#: A daemon thread starts a pass once threadloader's exit hook has run; then an exit hook of the
+#: user's, registered before the import so that it runs after threadloader's (atexit is LIFO), uses the
+#: loader from the main thread. A hang dumps every thread's stack and exits with code 1.
+PASS_AFTER_THE_EXIT_HOOK_SCRIPT = """
+import atexit, faulthandler, sys, threading, time
+
+
+def parked(thread):
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "_exiting":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def after_threadloaders_hook():
+    begin.set()
+    deadline = time.monotonic() + 30
+    while not parked(consumer):
+        assert time.monotonic() < deadline, "the daemon thread's iter() never reached _exiting()"
+        time.sleep(0.01)
+    faulthandler.dump_traceback_later(20, exit=True)
+    print("epoch", loader.state_dict()["epoch"], flush=True)
+    try:
+        iter(loader)
+    except LoaderClosedError as exc:
+        print("iter:", exc, flush=True)
+    loader.close()
+    faulthandler.cancel_dump_traceback_later()
+    print("closed", flush=True)
+
+
+atexit.register(after_threadloaders_hook)
+
+from threadloader import LoaderClosedError, ThreadLoader
+from tests.conftest import SlowSamples, encode, photo
+
+JPEG = encode(photo(16, 24), quality=90)
+loader = ThreadLoader(SlowSamples([JPEG] * 8), batch_size=2, num_threads=2, device="cpu")
+begin = threading.Event()
+
+
+def consume():
+    begin.wait()
+    for _ in loader:
+        print("a batch after the exit hook", flush=True)
+
+
+consumer = threading.Thread(target=consume, name="consumer", daemon=True)
+consumer.start()
+"""
+
+
+def test_a_pass_a_daemon_thread_starts_after_the_exit_hook_holds_no_lock_of_the_loader(
+    tmp_path: Path,
+) -> None:
+    """The daemon thread parks for good in _exiting(): it did so inside iter(), in the pool's thread
+    group, holding the loader's locks, so an exit hook that ran later and called state_dict(), iter()
+    or close() waited for it forever, and the interpreter never exited."""
+    result = run_script(tmp_path, PASS_AFTER_THE_EXIT_HOOK_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "epoch 0\niter: the interpreter is exiting: its exit hook closed this loader\nclosed\n"
+    ), result.stderr
+    assert "Traceback" not in result.stderr and not alarms(result.stderr), result.stderr
+
+
 def test_close_and_state_dict_do_not_wait_for_a_sampler_that_blocks_a_pass_starting(
     blobs: list[bytes],
 ) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "available_cpus",
     "close_deadline",
     "consumer_error",
+    "park_outside",
     "uninterrupted",
 ]
 
@@ -611,6 +612,40 @@ def uninterrupted(*steps: Callable[[], object]) -> None:
         raise interrupt
 
 
+#: Per thread: whether it runs a :func:`park_outside` block.
+_outside = threading.local()
+
+
+class _Park(BaseException):
+    """What :func:`_exiting` raises inside :func:`park_outside`, to park once out of it.
+
+    Not an ``Exception``, which a handler on the way out might take for an error of its own.
+    """
+
+
+@contextlib.contextmanager
+def park_outside() -> Iterator[None]:
+    """A block that holds locks: a daemon thread that :func:`_exiting` keeps parks once out of it.
+
+    Parked inside, it held them for good: an exit hook of the user's that ran later and took them (a
+    loader's ``close()``, ``state_dict()``) waited for it forever, and the interpreter never exited.
+    Blocks nest: the outermost parks.
+    """
+    outer = getattr(_outside, "on", False)
+    _outside.on = True
+    parked = False
+    try:
+        yield
+    except _Park:
+        if outer:
+            raise
+        parked = True
+    finally:
+        _outside.on = outer
+    if parked:
+        raise _exiting()
+
+
 def _exiting() -> LoaderClosedError:
     """Where a thread ends up that uses a pool, or starts a group, once the exit hook has run.
 
@@ -621,10 +656,12 @@ def _exiting() -> LoaderClosedError:
     torch calls that unwinding makes (freeing its batches) race the interpreter's finalization. One of
     the library's own threads (a ``MicroBatcher`` worker whose function iterates a loader) is cancelled
     instead: the exit hook waits for it to end, so parked here it hung the exit. The main thread, which
-    the process waits for, gets the error.
+    the process waits for, gets the error. Inside :func:`park_outside`, the thread parks once out of it.
     """
     if in_own_thread():
         raise Cancelled
     if threading.current_thread() is not threading.main_thread():
+        if getattr(_outside, "on", False):
+            raise _Park  # to park here once the block's locks are released
         threading.Event().wait()
     return LoaderClosedError("the interpreter is exiting: its exit hook closed this loader")

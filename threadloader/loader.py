@@ -31,7 +31,7 @@ from ._runtime import Runtime
 from ._sampling import BatchPlan, resolve_shard, resume_groups
 from ._sources import as_source
 from ._stats import LoaderStats, StatsRecorder
-from ._workers import OrderedPool, WeakRegistry, close_deadline, uninterrupted
+from ._workers import OrderedPool, WeakRegistry, close_deadline, park_outside, uninterrupted
 from .decode.base import ImageDecoder
 from .errors import LoaderClosedError
 from .transforms import Transform
@@ -313,7 +313,9 @@ class ThreadLoader:
         framework's ``iter()`` to check the loader, then dropped: Lightning's) was no epoch: unless an
         epoch was given since, the next pass starts where it would have, as ``state_dict()`` says.
         """
-        with self._starting:
+        # A daemon thread that starts a pass once the exit hook has run parks for good (in the pool's
+        # thread group): past both locks, or a later exit hook's close() or state_dict() waited forever.
+        with park_outside(), self._starting:
             epoch, progress = self._begin_pass()
             # Outside the lock: the first group (and, resuming, the groups before ``start``) comes from
             # the user's sampler, which may block (a streaming sampler waiting for work).
