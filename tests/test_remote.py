@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +19,7 @@ import pytest
 
 from threadloader import SampleError, ShardError, TarShards, ThreadLoader
 
-from .conftest import distinct_jpegs, encode, photo, pil_reference, run_script
+from .conftest import distinct_jpegs, encode, photo, pil_reference, run_script, wait_for_no_reader_threads
 from .test_tar import member_offset, sample, write_shard
 
 fsspec = pytest.importorskip("fsspec", reason="remote sources need fsspec: pip install -e '.[remote]'")
@@ -300,6 +302,69 @@ def test_http_server_without_ranges_is_named(plain_http: tuple[Path, str], blobs
     write_shard(root / "x.tar", [sample(blobs, i) for i in range(2)])
     with pytest.raises(SampleError, match="ignores range requests"):
         list(ThreadLoader(f"{base}/x.tar", batch_size=2))
+
+
+@pytest.fixture(params=["no answer", "headers only"])
+def stalling(request: pytest.FixtureRequest) -> Iterator[tuple[str, threading.Event]]:
+    """A server that takes each request and then sends nothing, or its headers and 10 of 1,000 bytes:
+    ``(base URL, set once a request came)``. Its connections close when the test ends."""
+    pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install -e '.[remote]'")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    asked, stop, connections = threading.Event(), threading.Event(), []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            connections.append(connection)
+            connection.recv(65536)
+            if request.param == "headers only":
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+            asked.set()
+
+    thread = threading.Thread(target=serve, name="test-stalling-http", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", asked
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        for connection in connections:
+            connection.close()
+
+
+def test_a_stalled_http_read_ends_at_close(stalling: tuple[str, threading.Event]) -> None:
+    """fsspec's cat_file waits until the request ends, aiohttp's 5 minutes by default: after close()
+    (which returned at its 1 s deadline) the reader stayed in it, and the interpreter's exit waited for
+    it, for those 5 minutes."""
+    base, asked = stalling
+    loader = ThreadLoader([(f"{base}/a.jpg", 0)], batch_size=1, num_threads=1)
+    iterator = iter(loader)
+    assert asked.wait(10), "the reader never asked"
+    started = time.monotonic()
+    loader.close()
+    assert wait_for_no_reader_threads(2.0) == [], "the reader is still waiting for the server"
+    assert time.monotonic() - started < 2.0
+    del iterator
+
+
+def test_a_stalled_http_read_times_out_as_configured(
+    stalling: tuple[str, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsspec's configuration sets aiohttp's time limit (sources.md); running out of it was the
+    SampleError "read failed: FSTimeoutError", which said neither what ran out nor how to change it."""
+    base, _ = stalling
+    monkeypatch.setitem(fsspec.config.conf, "http", {"timeout": 0.3})
+    started = time.monotonic()
+    with pytest.raises(SampleError) as info:
+        list(ThreadLoader([(f"{base}/a.jpg", 0)], batch_size=1, num_threads=1))
+    assert time.monotonic() - started < 5.0
+    assert (info.value.stage, info.value.origin) == ("read", f"{base}/a.jpg")
+    assert "time limit" in str(info.value) and "FSSPEC_HTTP" in str(info.value), str(info.value)
 
 
 # ------------------------------------------------------------------------------------- without fsspec

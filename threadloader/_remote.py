@@ -11,10 +11,17 @@ filesystems it resolved, keyed by everything ``url_to_fs`` builds one from: the
 protocol, the options the URL itself carries (a host, a user) and the storage options. Per thread, as
 fsspec itself keeps a filesystem without async support per thread; a forked child starts afresh, as
 fsspec's own cache does.
+
+An asynchronous file system's read (HTTP, S3, GCS) runs on fsspec's event loop while the reader thread
+waits for it in short steps that check the thread's cancellation: fsspec's own ``cat_file`` waits
+until the request ends, and a server that accepts a connection and never answers held the reader, and
+with it the interpreter's exit, for aiohttp's default limit of 5 minutes after ``close()``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import re
 import stat
@@ -22,7 +29,12 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["filesystem", "is_url", "read_url", "require_fsspec"]
+from ._cancel import check_cancelled
+
+__all__ = ["cat_file", "filesystem", "is_url", "read_url", "require_fsspec"]
+
+#: Seconds between cancellation checks while a reader waits for an asynchronous read.
+_CANCEL_STEP = 0.05
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 # Chained URLs (``simplecache::s3://...``) carry ``::`` before a scheme's ``://``: a local file named
@@ -103,7 +115,37 @@ def read_url(url: str) -> bytes:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
     if "file" in protocols and not stat.S_ISREG(os.stat(path).st_mode):
         raise OSError(f"not a regular file (a FIFO, a socket or a device): {url}")
-    return bytes(fs.cat_file(path))
+    return cat_file(fs, path, url)
+
+
+def cat_file(fs: Any, path: str, url: str, start: int | None = None, end: int | None = None) -> bytes:
+    """``fs.cat_file(path, start, end)``, stopped when the calling reader thread is cancelled.
+
+    An asynchronous file system's read is run on its event loop and waited for in steps of
+    :data:`_CANCEL_STEP`, so a request the server never answers ends at ``close()`` (it is cancelled
+    on the loop) instead of at the back end's own time limit.
+
+    Raises:
+        Cancelled: If the reader thread is cancelled while it waits.
+        TimeoutError: If the back end's time limit ran out (its message names the option that sets it).
+    """
+    if not getattr(fs, "async_impl", False) or getattr(fs, "asynchronous", False):
+        return bytes(fs.cat_file(path, start=start, end=end))
+    future = asyncio.run_coroutine_threadsafe(fs._cat_file(path, start=start, end=end), fs.loop)
+    try:
+        while not future.done():
+            concurrent.futures.wait([future], timeout=_CANCEL_STEP)
+            check_cancelled()
+    except BaseException:  # Cancelled, or a KeyboardInterrupt in a caller's own thread
+        future.cancel()
+        raise
+    try:
+        return bytes(future.result())
+    except asyncio.TimeoutError as exc:  # aiohttp's has no message: say what ran out and what sets it
+        raise TimeoutError(
+            f"{url}: no answer within the back end's time limit (for HTTP, aiohttp's 5 minutes unless set "
+            """through fsspec's configuration: FSSPEC_HTTP='{"timeout": 60}' in the environment)"""
+        ) from exc
 
 
 def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:

@@ -35,7 +35,7 @@ from typing import IO, Any, Literal, Protocol
 
 from ._checks import check_count
 from ._encoded import IMAGE_EXTENSIONS, Deferred
-from ._remote import filesystem, is_url
+from ._remote import cat_file, filesystem, is_url
 from .errors import ThreadLoaderError
 
 __all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
@@ -316,7 +316,7 @@ class _FsspecStorage:
         return self._fs().open(path, "rb")  # type: ignore[no-any-return]
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        return bytes(self._fs().cat_file(path, start=offset, end=offset + size))
+        return cat_file(self._fs(), path, self._url, start=offset, end=offset + size)
 
 
 class TarMember(Deferred):
