@@ -662,3 +662,28 @@ def test_flips_take_every_type_to_dtype_makes(dtype: torch.dtype) -> None:
     rows = RandomHorizontalFlip().apply_many(images, [True, False])
     assert rows.dtype == dtype
     np.testing.assert_array_equal(rows.to(torch.int64).numpy(), np.stack([pixels[0, :, :, ::-1], pixels[1]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_masks_scale_to_floats_as_torchvision_scales_them(dtype: torch.dtype) -> None:
+    """ToDtype(torch.bool) then ToDtype(float, scale=True) raised torch.iinfo's "torch.bool is not
+    supported" deep in a reader thread; torchvision's to_dtype gives the plain cast (bool's largest
+    value is 1: True is white)."""
+    mask = torch.rand(2, 3, 4, 5) > 0.5
+    got = ToDtype(dtype, scale=True)(mask)
+    assert got.dtype == dtype and torch.equal(got, mask.to(dtype))
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [(torch.bool, torch.uint8), (torch.complex64, torch.uint8), (torch.uint64, torch.uint8)],
+)
+def test_scaling_images_of_a_type_without_a_range_names_the_type_and_the_fix(
+    source: torch.dtype, target: torch.dtype
+) -> None:
+    """Types ToDtype makes with a plain cast: scaled to integers they raised torch's TypeError of
+    torch.iinfo (bool, as torchvision's own TypeError; complex) or NotImplementedError "rshift_cpu" not
+    implemented for 'UInt64', naming neither the images' type nor what to do."""
+    images = ToDtype(source)(IMAGE[None, :, :2, :3])
+    with pytest.raises(TypeError, match=rf"got {re.escape(str(source))} images.*scale=False"):
+        ToDtype(target, scale=True)(images)

@@ -93,12 +93,24 @@ def to_dtype(images: torch.Tensor, dtype: torch.dtype, *, scale: bool) -> torch.
         RuntimeError: For float32 (and so float16 and bfloat16) to int32, uint32 or int64 and float64 to
             int64, which cannot be scaled exactly, as torchvision refuses them. ``dtype`` is one of
             :data:`SCALED_DTYPES` with ``scale``, else of :data:`CAST_DTYPES` (``ToDtype`` checks).
+        TypeError: With ``scale``, for complex images, bool images to an integer type (to a float type
+            they are cast, as torchvision's), and uint64 images to an integer type.
     """
     if images.dtype == dtype:
         return images
     source_floating = images.is_floating_point()
     if not scale or (source_floating and dtype.is_floating_point):
         return images.to(dtype)
+    if images.dtype == torch.bool and dtype.is_floating_point:
+        return images.to(dtype)  # torchvision's: bool's largest value is 1, so True is 1.0
+    # Types ToDtype makes by a plain cast with no range torch can scale (uint64: no shifts to integers).
+    no_range = images.dtype == torch.bool or images.dtype.is_complex
+    if no_range or (images.dtype == torch.uint64 and not dtype.is_floating_point):
+        raise TypeError(
+            f"to_dtype(scale=True) to {dtype} needs images of a float or integer type with a range to "
+            f"scale, got {images.dtype} images: use scale=False for a plain cast, or scale them to a "
+            "float type first"
+        )
     if dtype.is_floating_point:  # exact: a multiply by 1/255 is one ulp off for half the bytes
         work = images.float() if dtype.itemsize < 4 else images.to(dtype)  # half precision: see above
         return work.div_(torch.iinfo(images.dtype).max).to(dtype)
