@@ -9,11 +9,13 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from threadloader import BatchDecoder, ThreadLoader
-from threadloader.decode.nvimgcodec import DecoderRegistry
+from threadloader.decode.nvimgcodec import DecoderRegistry, NvImageCodecDecoder
+from threadloader.decode.nvimgcodec._registry import DecoderKey
 
 KEY = (0, "auto", 2)
 
@@ -584,6 +586,24 @@ def test_a_pool_that_ends_destroys_a_decoder_only_once_its_calls_are_waited_for(
     assert destroyed == [working, leased] and registry.made(KEY) == 0
 
 
+def _leasing(
+    backend: str, destroy: Callable[[object, object], None]
+) -> tuple[NvImageCodecDecoder, DecoderRegistry, DecoderKey]:
+    """A GPU decoder of one stand-in Decoder a pool, and its pool's key, claimed: for calling
+    ``_decode_leased`` with stand-in batches on the CPU."""
+    import torch
+
+    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
+
+    registry = DecoderRegistry(lambda *key: object(), destroy)
+    decoder = NvImageCodecDecoder(
+        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend=backend, registry=registry
+    )
+    key: DecoderKey = ("fake", 0, backend, 1, True, 0)
+    registry.claim([key])
+    return decoder, registry, key
+
+
 @pytest.mark.parametrize("queued", [True, False])
 def test_a_reader_returns_its_decoder_once_its_call_is_submitted(
     monkeypatch: pytest.MonkeyPatch, queued: bool
@@ -592,20 +612,14 @@ def test_a_reader_returns_its_decoder_once_its_call_is_submitted(
     first reader still waits for its own, instead of waiting for the lease (without it, it waits); a
     call whose wait fails sends its samples to Pillow. Both calls are waited for before the Decoder can
     be destroyed."""
-    import torch
 
     from threadloader._stats import StatsRecorder
-    from threadloader.decode.nvimgcodec import QUEUE_ENV, NvImageCodecDecoder
+    from threadloader.decode.nvimgcodec import QUEUE_ENV
 
     monkeypatch.setenv(QUEUE_ENV, "1" if queued else "0")
 
     destroyed: list[object] = []
-    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: destroyed.append(decoder))
-    decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend="cuda", registry=registry
-    )
-    key = ("fake", 0, "cuda", 1, True, 0)
-    registry.claim([key])
+    decoder, registry, key = _leasing("cuda", lambda key, decoder: destroyed.append(decoder))
     gate, submitted = threading.Event(), threading.Event()
     seen: list[object] = []
 
@@ -666,18 +680,11 @@ def test_a_call_interrupted_before_its_wait_is_waited_for_before_its_decoder_goe
     """Ctrl-C between a call's submit and its wait (a decoder called on the main thread): nvImageCodec's
     threads still use the Decoder and the call's memory, so the call is waited for before the Decoder
     is returned, here to a pool that ended, which destroys it."""
-    import torch
 
     from threadloader._stats import StatsRecorder
-    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
     events: list[str] = []
-    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: events.append("destroyed"))
-    decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend="cuda", registry=registry
-    )
-    key = ("fake", 0, "cuda", 1, True, 0)
-    registry.claim([key])
+    decoder, registry, key = _leasing("cuda", lambda key, decoder: events.append("destroyed"))
 
     class Call:
         queued = False
@@ -746,17 +753,10 @@ def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace(
     reader for 0.2 s, is timed from before that wait: the next reader would wait too. Timed from its
     lease, the configuration looked fastest while its readers queued (the graphed step's start on the
     JPEG engine, docs/benchmarks.md)."""
-    import torch
 
     from threadloader._stats import StatsRecorder
-    from threadloader.decode.nvimgcodec import NvImageCodecDecoder
 
-    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: None)
-    decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0), decode_threads=1, gpu_decoders=1, backend="auto", registry=registry
-    )
-    key = ("fake", 0, "auto", 1, True, 0)
-    registry.claim([key])
+    decoder, registry, key = _leasing("auto", lambda key, decoder: None)
 
     class Call:
         queued = False

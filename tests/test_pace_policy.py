@@ -53,19 +53,24 @@ class Scenario:
 
     Attributes:
         name: What it mirrors.
-        readers: Reader threads.
-        pools: Decoders of each configuration (``gpu_decoders``).
         per_image: Seconds per image of a call alone on a configuration, at a simulated time.
-        slowdown: How much longer each call takes when ``k`` decode at once on a configuration.
+        readers: Reader threads.
+        pools: Decoders of each configuration (``gpu_decoders``: 2 by default for both).
+        engine: How much longer each call takes when ``k`` decode at once on the JPEG engine's
+            configuration; nvJPEG's CUDA decoder's calls overlap (:func:`overlapping`).
         host: Seconds a reader spends on a group outside any Decoder (reading, parsing).
     """
 
     name: str
-    readers: int
-    pools: dict[str, int]
     per_image: Callable[[str, float], float]
-    slowdown: dict[str, Callable[[int], float]]
+    readers: int = 4
+    pools: dict[str, int] = field(default_factory=lambda: {"all": 2, "cuda": 2})
+    engine: Callable[[int], float] = shared
     host: float = 0.0005
+
+    def slowdown(self, arm: str, k: int) -> float:
+        """How much longer each of ``k`` calls at once on ``arm`` takes than one alone."""
+        return self.engine(k) if arm == "all" else overlapping(k)
 
 
 @dataclass
@@ -116,7 +121,7 @@ class Simulation:
         return sum(n for a, n in images if a == arm) / max(1, sum(n for _, n in images))
 
     def _step(self, until: float) -> None:
-        slowdown = {a: self.scenario.slowdown[a](len(s.decoding)) for a, s in self.arms.items() if s.decoding}
+        slowdown = {a: self.scenario.slowdown(a, len(s.decoding)) for a, s in self.arms.items() if s.decoding}
         ends = [self.now + min(c.left for c in self.arms[a].decoding) * k for a, k in slowdown.items()]
         nxt = min([until, *(t for t in self.host_until if not math.isnan(t)), *ends])
         elapsed = nxt - self.now
@@ -199,31 +204,21 @@ BUSY = (1300e-6, 90e-6)  # beside a graphed step: the engine's Decoders fell to 
 SCENARIOS = [
     Scenario(
         "alone: the engine much faster",
-        readers=4,
-        pools={"all": 2, "cuda": 2},
         per_image=steady(*ALONE),
-        slowdown={"all": shared, "cuda": overlapping},
     ),
     Scenario(
         "beside a busy GPU: the engine slow",
-        readers=4,
-        pools={"all": 2, "cuda": 2},
         per_image=steady(*BUSY),
-        slowdown={"all": shared, "cuda": overlapping},
     ),
     Scenario(
         "the queue: 8 readers at the engine's 2 Decoders",
         readers=8,
-        pools={"all": 2, "cuda": 2},
         per_image=steady(*ALONE),
-        slowdown={"all": partly_shared, "cuda": overlapping},
+        engine=partly_shared,
     ),
     Scenario(
         "a training step starts",
-        readers=4,
-        pools={"all": 2, "cuda": 2},
         per_image=changing(ALONE, BUSY),
-        slowdown={"all": shared, "cuda": overlapping},
     ),
 ]
 
@@ -262,10 +257,7 @@ def _within_5_percent(scenario: Scenario, result: dict[str, float]) -> None:
 
 STEP_ENDS = Scenario(
     "a training step ends",
-    readers=4,
-    pools={"all": 2, "cuda": 2},
     per_image=changing(BUSY, ALONE),
-    slowdown={"all": shared, "cuda": overlapping},
 )
 
 
@@ -299,9 +291,8 @@ def test_auto_uses_a_second_decoder_that_does_not_slow_the_first() -> None:
     scenario = Scenario(
         "alone: the engine's two Decoders independent",
         readers=2,
-        pools={"all": 2, "cuda": 2},
         per_image=steady(*ALONE),
-        slowdown={"all": lambda k: 1.0, "cuda": overlapping},
+        engine=lambda k: 1.0,
     )
     result = throughputs(scenario)
     assert result["auto"] >= 0.95 * result["all"], result
