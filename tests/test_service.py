@@ -1520,3 +1520,11 @@ def test_decode_many_refuses_one_image_given_whole(blobs: list[bytes]) -> None:
             with pytest.raises(TypeError, match=r"got one \w+; use decode\(data\) for one image"):
                 service.decode_many(one)  # type: ignore[arg-type]
         assert service.stats().submitted == 0
+
+
+def test_the_batch_function_runs_with_torchs_own_thread_count() -> None:
+    """``fn`` is the user's model, not a reader: its worker ran torch's ops on one OpenMP thread (the
+    readers' setting, where the threads are the parallelism), so a model stage on the CPU used one core
+    of the machine, where the same call in the caller's thread used them all."""
+    with MicroBatcher(lambda inputs: [torch.get_num_threads()] * len(inputs), max_delay_ms=0) as batcher:
+        assert batcher.run(0) == torch.get_num_threads()

@@ -8,7 +8,7 @@ hook cancels every group and waits until its threads have returned: a thread aba
 when the interpreter finalizes aborts the process (``terminate called without an active exception``).
 A daemon thread of the user's still iterating then waits until the process ends (:func:`_exiting`).
 Each thread runs torch's ops on itself alone (:func:`_one_intra_op_thread`): the threads are the
-parallelism.
+parallelism. A ``MicroBatcher``'s are not: they run the user's model, which keeps torch's count.
 
 :class:`OrderedPool` runs numbered tasks on a group and hands results out in task order. Ordering does
 not depend on thread timing: tasks are numbered when they are taken, results are keyed by that number,
@@ -124,13 +124,22 @@ class ThreadGroup:
             :class:`Cancelled` once cancelled.
         wake: Called on :meth:`cancel`, in the cancelling thread: wakes the owner's waits (its threads
             waiting for work, a consumer waiting for results), which must then end.
+        one_op_thread: Each thread runs torch's ops on itself alone (:func:`_one_intra_op_thread`);
+            ``False`` for threads that run the user's own code (a model stage), which keep torch's count.
     """
 
     def __init__(
-        self, *, name: str, count: int, target: Callable[[int], None], wake: Callable[[], None]
+        self,
+        *,
+        name: str,
+        count: int,
+        target: Callable[[int], None],
+        wake: Callable[[], None],
+        one_op_thread: bool = True,
     ) -> None:
         self.cancelled = threading.Event()
         self._wake = wake
+        self._one_op_thread = one_op_thread
         self._threads = [
             threading.Thread(target=self._run, args=(target, i), name=f"{name}-{i}", daemon=True)
             for i in range(count)
@@ -227,7 +236,8 @@ class ThreadGroup:
         try:
             self._go.wait()  # set by the constructor once it has started every thread
             bind_cancel(self.cancelled)
-            _one_intra_op_thread()
+            if self._one_op_thread:
+                _one_intra_op_thread()
             with contextlib.suppress(Cancelled):  # stopped on request: nothing to report
                 target(index)
         finally:

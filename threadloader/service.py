@@ -120,6 +120,7 @@ class _Batching(Generic[T, R]):
         max_delay_ms: float,
         max_queue: int,
         when_full: WhenFull,
+        one_op_thread: bool = True,
     ) -> None:
         # Plain Python numbers from here on: 3.13's lock waits refuse a numpy float32 timeout.
         self.device, self.num_threads = device, int(num_threads)
@@ -144,6 +145,7 @@ class _Batching(Generic[T, R]):
             count=self.num_threads,
             target=functools.partial(serve_then_leave, self._last_out, self._queue, runner),
             wake=functools.partial(self._queue.close, cancel_pending=True),
+            one_op_thread=one_op_thread,
         )
 
     def submit(self, data: T, *, timeout: float | None = None) -> Future[R]:
@@ -543,6 +545,9 @@ class MicroBatcher(_Batching[T, R]):
             max_delay_ms=max_delay_ms,
             max_queue=max_queue,
             when_full=when_full,
+            # fn is the user's model, not a reader: it keeps torch's threads, as a training loop does
+            # (one OpenMP thread ran a CPU model on one core).
+            one_op_thread=False,
         )
 
     def run(self, data: T) -> R:
