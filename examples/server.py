@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError
 from contextlib import contextmanager, nullcontext, suppress
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -343,7 +344,7 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": f"the body is not an image this server decodes: {error.reason}"})
         except QueueFullError:  # its message is for the operator (max_queue), not the client
             self._reply(503, {"error": "the server is overloaded; retry later"})
-        except LoaderClosedError:
+        except (LoaderClosedError, CancelledError):  # CancelledError: queued when shutdown closed the decoder
             self._reply(503, {"error": "the server is shutting down; retry later"})
         except OSError:
             raise  # the connection failed (a timeout drops the client): there is no one to answer

@@ -24,7 +24,7 @@ import pytest
 
 from threadloader import LoaderClosedError, QueueFullError
 
-from .conftest import encode, photo, post_predict
+from .conftest import GatedDecoder, encode, photo, post_predict
 from .robustness_cases import HEAP_ADDRESS
 
 HOST = "127.0.0.1"
@@ -454,3 +454,34 @@ def test_a_path_not_served_is_404_naming_it(method: str) -> None:
     with running() as server:
         status, reply = exchange(server, f"{method} /nope HTTP/1.1\r\nContent-Length: 0\r\n\r\n".encode())
     assert status == 404 and "'/nope'" in reply["error"] and "POST /predict" in reply["error"], reply
+
+
+def test_a_request_cancelled_by_the_closing_decoder_is_503(capsys: pytest.CaptureFixture[str]) -> None:
+    """Shutdown closes the decoder with ``cancel_pending=True``: a request still queued then raised
+    ``CancelledError`` in its handler, answered 500 "internal error" with a traceback on stderr, where
+    the docs promise a closing decoder's 503 "shutting down"."""
+    gated = GatedDecoder()  # holds the only worker in the first request's decode
+    with running() as server, ExitStack() as opened:
+        opened.callback(gated.gate.set)  # never leave the worker held, whatever fails
+        server.classifier.decoder.close()
+        decoder = server_module.BatchDecoder(
+            device="cpu", num_threads=1, max_delay_ms=0, size=(224, 224), decoder=gated
+        )
+        server.classifier.decoder, server.classifier._decode = decoder, decoder.decode
+        answers: list[tuple[int, dict[str, Any]]] = []
+        first = threading.Thread(target=lambda: answers.append(post(server, GOOD)))
+        first.start()
+        assert gated.entered.wait(CLIENT_TIMEOUT)
+        second = threading.Thread(target=lambda: answers.append(post(server, GOOD)))
+        second.start()
+        deadline = time.monotonic() + CLIENT_TIMEOUT
+        while decoder.stats().queue_depth == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        closing = threading.Thread(target=server.classifier.close)  # what the server's shutdown does
+        closing.start()
+        second.join(CLIENT_TIMEOUT)
+        gated.gate.set()
+        first.join(CLIENT_TIMEOUT)
+        closing.join(CLIENT_TIMEOUT)
+    assert answers[0] == (503, {"error": "the server is shutting down; retry later"})
+    assert "Traceback" not in capsys.readouterr().err
