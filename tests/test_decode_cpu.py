@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, PngImagePlugin
 
 from threadloader import SampleError, ThreadLoader
 from threadloader.decode import PillowDecoder, pillow
@@ -499,3 +499,19 @@ def test_an_image_whose_exif_cannot_be_read_is_decoded_as_stored(fmt: str, exif:
         expected = np.asarray(image.convert("RGB"))
     assert np.array_equal(expected, pixels)
     assert np.array_equal(pillow.decode_rgb(data), expected)
+
+
+@pytest.mark.parametrize("hex_digits", ["zz12", "4d4d0"], ids=["not hex", "odd length"])
+def test_a_png_whose_legacy_exif_text_cannot_be_read_is_decoded_as_stored(hex_digits: str) -> None:
+    """ImageMagick stores a PNG's EXIF as hex in a "Raw profile type exif" text chunk, which Pillow
+    reads only when asked, with bytes.fromhex: damaged digits raised ValueError and failed an image
+    that Pillow's own decode shows, as stored (docs/errors.md: unreadable EXIF gives no orientation)."""
+    pixels = photo(24, 40, 11)
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Raw profile type exif", f"\nexif\n      20\n{hex_digits}\n", zip=True)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG", pnginfo=info)
+    with Image.open(io.BytesIO(out.getvalue())) as image:  # Pillow used plainly
+        expected = np.asarray(image.convert("RGB"))
+    assert np.array_equal(expected, pixels)
+    assert np.array_equal(pillow.decode_rgb(out.getvalue()), expected)

@@ -170,12 +170,13 @@ def _orientation(image: Image.Image) -> object:
     """The image's EXIF orientation as Pillow reads it; 1 (as stored) where its EXIF cannot be read.
 
     Pillow reads a PNG's or WebP's EXIF when asked, after the pixels, and raises for a damaged one
-    (SyntaxError for a header that is not TIFF's, struct.error for one cut short): such an image failed
-    where Pillow's own decode and browsers show it as stored.
+    (SyntaxError for a header that is not TIFF's, struct.error for one cut short, ValueError for a
+    PNG's "Raw profile type exif" text that is not valid hex): such an image failed where Pillow's own
+    decode and browsers show it as stored.
     """
     try:
         return image.getexif().get(_ORIENTATION, 1)
-    except (SyntaxError, struct.error):
+    except (SyntaxError, struct.error, ValueError):
         return 1
 
 
