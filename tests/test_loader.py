@@ -1623,6 +1623,24 @@ def test_a_sampler_of_float_indices_is_refused_as_dataloader_refuses_it(
     assert epoch(batches) == [[3, 4]]  # integers of any kind
 
 
+def test_an_empty_batch_from_a_batch_sampler_is_refused_at_its_place(
+    indexed: list[tuple[bytes, int]],
+) -> None:
+    """It was left out: the epoch gave fewer batches than ``len(loader)``, and the batches after it moved
+    one place, against the saved position. DataLoader fails on it too (its collate's IndexError); here
+    the batches before it come first, as before any sampler error."""
+    with pytest.raises(IndexError):
+        list(DataLoader(list(range(20)), batch_sampler=[[0, 1], [], [2, 3]]))
+    loader = ThreadLoader(indexed, batch_sampler=[[0, 1], [], [2, 3]], num_threads=1)
+    batches = iter(loader)
+    assert next(batches)[1].tolist() == [0, 1]
+    with pytest.raises(
+        ValueError, match=r"batch_sampler yielded an empty batch \(its batch 1, counting from 0\)"
+    ):
+        next(batches)
+    loader.close()
+
+
 def test_repr_of_a_loader_over_a_sampler_without_a_length(indexed: list[tuple[bytes, int]]) -> None:
     loader = ThreadLoader(indexed, batch_size=2, sampler=(i for i in range(4)), num_threads=1)
     assert "batches=unknown" in repr(loader)  # it raised TypeError: the sampler has no __len__

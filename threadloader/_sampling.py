@@ -171,7 +171,7 @@ class BatchPlan:
         padded by repeating its start.
         """
         if self._batch_sampler is not None:
-            planned = ([_index(i, "batch_sampler") for i in batch] for batch in self._batch_sampler)
+            planned = (_sampled_batch(batch, number) for number, batch in enumerate(self._batch_sampler))
             yield from _with_repeats(planned, self._num_samples)
         elif self._sampler is not None:
             indices = (_index(i, "sampler") for i in self._sampler)
@@ -316,6 +316,21 @@ def _index(value: Any, name: str) -> int:
         raise TypeError(
             f"{name} yielded {value!r} ({type(value).__name__}): sample indices must be integers"
         ) from None
+
+
+def _sampled_batch(batch: Iterable[Any], number: int) -> list[int]:
+    """A batch sampler's batch as indices; an empty one is refused, as DataLoader's collate refuses it.
+
+    Left empty, it was no batch: the epoch gave fewer batches than the sampler's length said, and a saved
+    position counted past the batches after it.
+    """
+    indices = [_index(i, "batch_sampler") for i in batch]
+    if not indices:
+        raise ValueError(
+            f"batch_sampler yielded an empty batch (its batch {number}, counting from 0): "
+            "leave empty batches out of the batch sampler"
+        )
+    return indices
 
 
 def _length_of(obj: object, name: str) -> int:
