@@ -312,6 +312,24 @@ def test_dataset_returning_read_file_tensors_is_told_to_return_bytes(
         assert f"got {pair.__name__}(Tensor, int);" in info.value.reason
 
 
+def test_dataset_returning_fromfile_arrays_is_told_to_return_bytes(blobs: list[bytes]) -> None:
+    """``numpy.fromfile(path, dtype=numpy.uint8)`` gives a file's bytes as a 1-D uint8 array: it got the
+    advice for "a decoded image", as read_file's tensor did."""
+
+    class FromFileDataset(Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int):
+            return np.frombuffer(blobs[index], dtype=np.uint8), index
+
+    with (
+        ThreadLoader(FromFileDataset(), batch_size=2, num_threads=1) as loader,
+        pytest.raises(SampleError, match=r"\(numpy.fromfile's\) goes as bytes: .*array.tobytes\(\)"),
+    ):
+        next(iter(loader))
+
+
 def test_a_decoded_image_returned_as_nested_lists_is_named_in_a_line() -> None:
     """A dataset that returns ``image.tolist()``: the error names the first element types, not 64."""
 

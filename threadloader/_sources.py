@@ -439,6 +439,10 @@ def _not_encoded(source: Source, index: int, item: object) -> SampleError:
         # torchvision.io.read_file's: a file's bytes, not a decoded image
         hint = "a 1-D uint8 tensor of a file's bytes (torchvision.io.read_file's) goes as bytes: return "
         hint += "tensor.numpy().tobytes(), or the file's path"
+    elif str(getattr(data, "dtype", "")) == "uint8" and getattr(data, "ndim", None) == 1:
+        # numpy.fromfile(path, dtype=numpy.uint8)'s: the same bytes as an array
+        hint = "a 1-D uint8 array of a file's bytes (numpy.fromfile's) goes as bytes: return "
+        hint += "array.tobytes(), or the file's path"
     else:
         hint = "threadloader decodes by itself, so return the file path or its bytes, not a decoded image"
     return SampleError(
