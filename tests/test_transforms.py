@@ -21,6 +21,7 @@ from threadloader.transforms import (
     RandomResizedCrop,
     Resize,
     ToDtype,
+    Transform,
 )
 from threadloader.transforms.functional import resize
 
@@ -483,6 +484,22 @@ def test_compose_names_a_transform_given_without_its_list() -> None:
         TypeError, match=r"Compose takes a list of transforms, got Resize\(.*\): write Compose"
     ):
         Compose(Resize(4))  # type: ignore[arg-type]
+
+
+def test_compose_names_a_transform_of_unknown_output_before_a_random_one() -> None:
+    """A transform of the user's whose ``output_size`` gives None, before a random crop, failed on a bare
+    assert in the reader thread; the error names it and the method to fix."""
+
+    class Pad(Transform):
+        def apply(self, images: torch.Tensor, params: object) -> torch.Tensor:
+            return torch.nn.functional.pad(images, (1, 1, 1, 1))
+
+        def output_size(self, size: tuple[int, int] | None) -> tuple[int, int] | None:
+            return None
+
+    chain = Compose([Pad(), RandomResizedCrop(8)])
+    with pytest.raises(TypeError, match=r"Pad.output_size\(\) returned None .* RandomResizedCrop after it"):
+        chain(torch.zeros(3, 16, 16, dtype=torch.uint8))
 
 
 def test_to_dtype_names_a_dtype_that_is_not_one() -> None:

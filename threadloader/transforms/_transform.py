@@ -93,10 +93,16 @@ class Compose(Transform):
         """Each transform's parameters in order, for the size it will see: all known from ``size``."""
         params = []
         current: tuple[int, int] | None = size
+        before: Transform | None = None
         for transform in self.transforms:
-            assert current is not None  # output_size of a known size is known
+            if current is None:  # a transform of the user's that did not say its output's size
+                raise TypeError(
+                    f"{type(before).__name__}.output_size() returned None for a known input size, so "
+                    f"{type(transform).__name__} after it cannot draw its parameters: return the output's "
+                    "(height, width) from output_size"
+                )
             params.append(transform.sample(current, generator))
-            current = transform.output_size(current)
+            current, before = transform.output_size(current), transform
         return params
 
     def apply(self, images: torch.Tensor, params: list[Any]) -> torch.Tensor:
