@@ -486,6 +486,16 @@ def test_compose_names_a_transform_given_without_its_list() -> None:
         Compose(Resize(4))  # type: ignore[arg-type]
 
 
+def test_resize_names_an_image_that_max_size_would_make_empty() -> None:
+    """A 1x1000 image under Resize(10, max_size=11) comes out 0 pixels high by torchvision's rule
+    (``int(11 * 1 / 1000)``): torch's resize then failed with a message about neither."""
+    with pytest.raises(
+        ValueError, match=r"Resize\(10, max_size=11\) makes a 1x1000 image 0x11: .* raise max_size"
+    ):
+        Resize(10, max_size=11)(torch.zeros(3, 1, 1000, dtype=torch.uint8))
+    assert Resize(10, max_size=1000)(torch.zeros(3, 1, 1000, dtype=torch.uint8)).shape == (3, 1, 1000)
+
+
 def test_compose_names_a_transform_of_unknown_output_before_a_random_one() -> None:
     """A transform of the user's whose ``output_size`` gives None, before a random crop, failed on a bare
     assert in the reader thread; the error names it and the method to fix."""
