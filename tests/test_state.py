@@ -272,6 +272,38 @@ def test_a_sampler_epoch_the_user_sets_is_the_passs_epoch_unless_the_loader_is_t
     assert order(3) != order(0)
 
 
+def test_a_sampler_set_epoch_that_repeats_the_loaders_count_looks_like_no_call(
+    samples: list[tuple[bytes, int]],
+) -> None:
+    """docs/migrating.md said ``sampler.set_epoch(0)`` before the first two passes made only the second
+    pass epoch 1: the loader cannot see a call that changes no value, so every later pass is one epoch
+    ahead of DataLoader's while the calls follow the loader's count; ``loader.set_epoch`` is kept."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    def sampler(epoch: int = 0) -> DistributedSampler:
+        made = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5)
+        made.set_epoch(epoch)
+        return made
+
+    def order(epoch: int) -> list[int]:
+        return list(sampler(epoch))
+
+    ours, theirs = sampler(), sampler()
+    reference = DataLoader(range(N), batch_size=4, sampler=theirs)
+    got, expected = [], []
+    with make(samples, shuffle=False, sampler=ours, transform=None) as loader:
+        for call in (0, 0, 1, 2):
+            ours.set_epoch(call)
+            theirs.set_epoch(call)
+            got.append([index for _, targets in take(loader) for index in targets])
+            expected.append([index for batch in reference for index in batch.tolist()])
+        assert expected == [order(0), order(0), order(1), order(2)]  # DataLoader: the calls' epochs
+        assert got == [order(0), order(1), order(2), order(3)]  # one ahead, as the docs now say
+        loader.set_epoch(3)
+        theirs.set_epoch(3)
+        assert [index for _, targets in take(loader) for index in targets] == list(theirs) == order(3)
+
+
 def test_a_sampler_whose_epoch_is_unreadable_keeps_the_users_set_epoch(
     samples: list[tuple[bytes, int]],
 ) -> None:
