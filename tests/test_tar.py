@@ -978,3 +978,18 @@ def test_a_shard_error_pickles_with_its_fields_and_notes() -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert (str(copy), copy.shard, copy.member) == (str(error), "a.tar", "a.tar:s0.jpg")
     assert copy.__notes__ == error.__notes__
+
+
+def test_a_sample_without_an_image_names_the_members_it_has(tmp_path: Path, blobs: list[bytes]) -> None:
+    """``a.b.jpg`` is sample ``a``'s extension ``b.jpg`` (WebDataset's key is the name up to the first
+    dot, as ``tarfile`` lists it here): the error said only "no image member", naming none it found."""
+    path = write_shard(tmp_path / "dotted.tar", [("a", {"b.jpg": blobs[0], "cls": b"1"}), sample(blobs, 1)])
+    with tarfile.open(path) as archive:
+        assert archive.getnames()[:2] == ["a.b.jpg", "a.cls"]
+    source = TarShards(path)
+    with pytest.raises(
+        ShardError,
+        match=r"'a' has no image member \(.*\); its members: a\.b\.jpg, a\.cls \(the key is the name up to",
+    ):
+        source[0]
+    assert source[1][1] == 1

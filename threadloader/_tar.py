@@ -382,6 +382,9 @@ class _Shard:
     images: list[tuple[str, int, int] | None] = field(default_factory=list)  # (name, offset, size)
     targets: list[bytes | None] = field(default_factory=list)  # the target member's bytes
     problems: dict[int, str] = field(default_factory=dict)  # sample -> why it cannot be read
+    others: dict[int, tuple[str, ...]] = field(
+        default_factory=dict
+    )  # a sample without an image: its extensions
     damage: list[str] = field(default_factory=list)
 
 
@@ -496,6 +499,7 @@ class TarShards:
         if image is None:
             raise ShardError(
                 f"{shard.url}: sample {key!r} has no image member ({', '.join(self._images)})"
+                + _others_note(key, shard.others.get(position, ()))
                 + _damage_note(shard),
                 shard=shard.url,
                 member=key,
@@ -577,6 +581,25 @@ def _matching(pattern: str) -> list[str]:
         where = f"from {os.getcwd()!r}"
         raise ShardError(f"{pattern}: no file matches this glob ({where}); {brace}", shard=pattern)
     return matches
+
+
+def _others_note(key: str, extensions: Sequence[str]) -> str:
+    """What the sample has instead, and why a dotted name such as ``key.b.jpg`` is not its image.
+
+    The key is the name up to the first dot of the file's name, as WebDataset splits it, so a member
+    ``a.b.jpg`` is sample ``a``'s extension ``b.jpg``: the error named none of the members it found.
+    """
+    if not extensions:
+        return ""
+    members = ", ".join(f"{key}.{ext}" for ext in extensions)
+    dotted = [ext for ext in extensions if "." in ext]
+    note = f"; its members: {members}"
+    if dotted:
+        note += (
+            f" (the key is the name up to its first dot: {key}.{dotted[0]} is extension {dotted[0]!r}; "
+            "rename it without the inner dot, or pass image= that extension)"
+        )
+    return note
 
 
 def _extensions(image: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -844,6 +867,8 @@ def _group(
         shard.keys.append(key)
         image = next((found[ext] for ext in images if ext in found), None)
         shard.images.append(None if image is None else (image.name, image.offset_data, image.size))
+        if image is None:
+            shard.others[position] = tuple(found)
         raw = targets.get(found[target].offset_data) if target is not None and target in found else None
         if isinstance(raw, str):
             shard.problems[position] = raw
