@@ -64,6 +64,31 @@ def test_a_local_file_with_double_colons_in_its_name_is_read_from_disk(
     assert not is_url("Foo::Bar.png") and not is_url("C::D/e.jpg")
 
 
+def test_a_path_object_that_gives_bytes_is_read_as_its_path(tmp_path: Path) -> None:
+    """``os.fspath`` of a path object may be bytes (a POSIX path need not be text): a list of them
+    failed at construction with "a bytes-like object is required, not 'str'"."""
+
+    class BytesPath:
+        def __init__(self, path: Path) -> None:
+            self.path = path
+
+        def __fspath__(self) -> bytes:
+            return os.fsencode(self.path)
+
+    pixels = [photo(8, 6, seed=i) for i in range(2)]
+    for i, each in enumerate(pixels):
+        (tmp_path / f"{i}.png").write_bytes(encode(each, "PNG"))
+    with ThreadLoader(
+        [BytesPath(tmp_path / f"{i}.png") for i in range(2)], batch_size=2, device="cpu"
+    ) as loader:
+        ((images, _),) = list(loader)
+    assert [image.permute(1, 2, 0).numpy().tolist() for image in images] == [each.tolist() for each in pixels]
+    missing = ThreadLoader([BytesPath(tmp_path / "missing.png")], batch_size=1, device="cpu")
+    with missing, pytest.raises(SampleError) as info:
+        list(missing)
+    assert info.value.origin == str(tmp_path / "missing.png")  # the path as text, not b'...'
+
+
 def test_image_folder_lists_nested_files_in_torchvisions_order(tmp_path: Path) -> None:
     """Sorting whole paths put ``cat/a-x/y.jpg`` before ``cat/a.jpg``: sample i was another file than
     torchvision's, which breaks saved index lists and splits. The reference is torchvision's

@@ -397,10 +397,10 @@ def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
         finally:
             os.close(fd)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, a lone surrogate in its name
-        return _error(exc, index, os.fspath(path), "read")
+        return _error(exc, index, os.fsdecode(path), "read")
     return SampleError(
         index=index,
-        origin=os.fspath(path),
+        origin=os.fsdecode(path),
         stage="read",
         reason=f"not a regular file ({_file_kind(status.st_mode)}): only regular files are read",
     )

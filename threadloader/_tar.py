@@ -91,7 +91,7 @@ def is_shard_spec(source: str | os.PathLike[str]) -> bool:
 
     A URL's query (a signed URL's ``?X-Amz-Signature=...``) and fragment are not its suffix.
     """
-    text = os.fspath(source)
+    text = os.fsdecode(source)  # a path object may give bytes, as a POSIX path can be
     if is_url(text):
         text = text.split("#", 1)[0].split("?", 1)[0]
     return text.lower().endswith(SHARD_SUFFIXES)
