@@ -382,9 +382,8 @@ class _Shard:
     images: list[tuple[str, int, int] | None] = field(default_factory=list)  # (name, offset, size)
     targets: list[bytes | None] = field(default_factory=list)  # the target member's bytes
     problems: dict[int, str] = field(default_factory=dict)  # sample -> why it cannot be read
-    others: dict[int, tuple[str, ...]] = field(
-        default_factory=dict
-    )  # a sample without an image: its extensions
+    # A sample without an image member: the extensions it has, for its error.
+    others: dict[int, tuple[str, ...]] = field(default_factory=dict)
     damage: list[str] = field(default_factory=list)
 
 

@@ -78,13 +78,14 @@ class Resize(Transform):
         new_short, new_long = self.size, int(self.size * long / short)
         if self.max_size is not None and new_long > self.max_size:
             new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
-            if new_short < 1:  # torchvision's rule gives 0 too, and torch's resize failed on it
-                raise ValueError(
-                    f"Resize({self.size}, max_size={self.max_size}) makes a {height}x{width} image "
-                    f"{'x'.join(map(str, (new_long, 0) if width <= height else (0, new_long)))}: its sides "
-                    "are too unequal for that max_size; raise max_size, or crop the image first"
-                )
-        return (new_long, new_short) if width <= height else (new_short, new_long)
+        out = (new_long, new_short) if width <= height else (new_short, new_long)
+        if new_short < 1:  # torchvision's rule gives 0 too (max_size), and torch's resize failed on it
+            raise ValueError(
+                f"Resize({self.size}, max_size={self.max_size}) makes a {height}x{width} image "
+                f"{out[0]}x{out[1]}: its sides are too unequal for that max_size; raise max_size, or crop "
+                "the image first"
+            )
+        return out
 
     def __call__(self, images: torch.Tensor, *, generator: RandomSource = None) -> torch.Tensor:
         """Resizes ``images``."""
