@@ -260,9 +260,10 @@ def test_the_gpu_decoder_makes_nothing_until_first_used_and_then_once() -> None:
     for caller in callers:
         caller.join(10)
     assert answers == ["python"] * 4
-    # Tried again after the failure; made once for four callers: backend="auto"'s first configuration,
-    # nvImageCodec's own choice, made for the default batch size (it has the JPEG engine).
-    assert made == [("python", 0, "all", 3, True, 64)]
+    # Tried again after the failure; made once for four callers, one in each of backend="auto"'s
+    # configurations: nvImageCodec's own choice, made for the default batch size (it has the JPEG
+    # engine), then the CUDA decoders', so that no reader makes one later while the others wait.
+    assert made == [("python", 0, "all", 3, True, 64), ("python", 0, "cuda", 3, True, 0)]
 
 
 def test_every_type_in_the_decoder_plug_in_signature_is_public() -> None:
@@ -507,7 +508,7 @@ def test_jpeg_fancy_upsampling_makes_pools_of_its_own(monkeypatch: pytest.Monkey
     keys, region_key, made = _keys(monkeypatch, jpeg_fancy_upsampling=False)
     assert keys == {"all": ("python", 0, "all", 7, False, 64), "cuda": ("python", 0, "cuda", 7, False, 0)}
     assert region_key == ("python", 0, "hybrid", 7, False, 0)
-    assert made == [("python", 0, "all", 7, False, 64)]  # the first configuration's first Decoder
+    assert made == [("python", 0, "all", 7, False, 64), ("python", 0, "cuda", 7, False, 0)]  # one of each
 
 
 @pytest.mark.parametrize(
@@ -736,7 +737,7 @@ def test_the_gpu_decoder_claims_its_pools_until_it_is_closed_or_dropped(
         made = NvImageCodecDecoder(
             torch.device("cuda", 0), decode_threads=2, engine="python", registry=registry
         )
-        made._start()  # type: ignore[attr-defined]  # makes the first configuration's first Decoder
+        made._start()  # type: ignore[attr-defined]  # makes a Decoder in each configuration's pool
         return made
 
     first, second = decoder(), decoder()
@@ -745,7 +746,7 @@ def test_the_gpu_decoder_claims_its_pools_until_it_is_closed_or_dropped(
     assert destroyed == []  # the second still uses the pool
     del second
     gc.collect()
-    assert destroyed == [("python", 0, "all", 2, True, 64)]
+    assert destroyed == [("python", 0, "all", 2, True, 64), ("python", 0, "cuda", 2, True, 0)]
 
 
 def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace() -> None:

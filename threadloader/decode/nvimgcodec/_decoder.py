@@ -263,11 +263,13 @@ class NvImageCodecDecoder(ImageDecoder):
             self._release()
 
     def _start(self) -> _Prepared:
-        """The engine and the pools' keys, chosen by the first call, which also makes the first Decoder.
+        """The engine and the pools' keys, chosen by the first call, which also makes a Decoder in each pool.
 
         Not in the constructor: loading nvImageCodec, its self-test and a Decoder take seconds, which a
         front end spends in the background (``threadloader._warmup``) while its caller sets up the
         rest. Later callers wait for the first; a call that raises leaves the next one to try again.
+        Every configuration the backend may pick gets its Decoder now: one made later is made by a
+        reader's call while the others wait for that pool, beside a training step that is already busy.
         """
         prepared = self._prepared  # set once, under the lock, to an immutable tuple: safe to read without it
         if prepared is not None:
@@ -283,8 +285,9 @@ class NvImageCodecDecoder(ImageDecoder):
                     engine, keys, self._pool_key(engine, REGION_BACKEND if mixed else configs[0])
                 )
                 first = keys[configs[0]]
-                with self._registry.claimed([first]):  # a Decoder made now outlives a failure after it
-                    self._registry.release(first, self._registry.acquire(first, self.gpu_decoders))
+                with self._registry.claimed(keys.values()):  # a Decoder made now outlives a failure after it
+                    for key in keys.values():
+                        self._registry.release(key, self._registry.acquire(key, self.gpu_decoders))
                     if not self._closed:  # claimed until close, or until the decoder is dropped
                         self._registry.claim(prepared.claimed)
                         self._release.detach()
