@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from threadloader import SampleError, ThreadLoader
 from threadloader._sampling import group_batches
-from threadloader.decode import Region
+from threadloader.decode import DecodedBatch, Encoded, PillowDecoder, Region
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 from threadloader.transforms.functional import Images
 
@@ -84,6 +85,38 @@ def test_stacked_output_of_a_group_is_split_per_batch(samples: list[tuple[bytes,
     with ThreadLoader(samples, batch_size=5, decode_batch_size=15, size=(24, 32), device="cpu") as loader:
         shapes = [tuple(images.shape) for images, _ in loader]
     assert shapes == [(5, 3, 24, 32)] * 4 + [(3, 3, 24, 32)]
+
+
+class _StackedDecoder(PillowDecoder):
+    """Gives each call's images as one stacked tensor, as the GPU decoder does for images of one size."""
+
+    def decode(self, encoded: Sequence[Encoded], **kwargs: Any) -> DecodedBatch:
+        decoded = super().decode(encoded, **kwargs)
+        images = [decoded.image(p) for p in range(len(encoded))]
+        assert all(image is not None for image in images)
+        batch = torch.stack(images)  # type: ignore[arg-type]
+        size = (int(batch.shape[1]), int(batch.shape[2]))
+        return DecodedBatch(extents=[size] * len(encoded), batch=batch, rows=set(range(len(encoded))))
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_a_batch_of_a_stacked_group_owns_its_memory(
+    samples: list[tuple[bytes, int]], channels_last: bool
+) -> None:
+    """Rows of a group's stacked output already in the output's format are copied out: as views, each
+    batch the consumer holds would keep the whole group's memory alive."""
+    options = dict(batch_size=4, size=(24, 32), channels_last=channels_last, device="cpu")
+    with ThreadLoader(samples, decode_batch_size=12, decoder=_StackedDecoder(), **options) as grouped:
+        batches = [images for images, _ in grouped]
+    with ThreadLoader(samples, **options) as plain:
+        expected = [images for images, _ in plain]
+    assert len(batches) == len(expected) == -(-N // 4)
+    for images, reference in zip(batches, expected, strict=True):
+        assert images.untyped_storage().nbytes() == images.nbytes
+        assert images.is_contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format
+        )
+        assert torch.equal(images, reference)
 
 
 def test_error_is_raised_at_its_batch_inside_a_group(samples: list[tuple[bytes, int]]) -> None:

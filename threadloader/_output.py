@@ -154,7 +154,15 @@ class OutputFormat:
         return torch.channels_last if self.channels_last else torch.contiguous_format
 
     def _layout(self, batch: torch.Tensor) -> torch.Tensor:
-        return batch.contiguous(memory_format=self._memory_format)
+        """``batch`` in the output's memory format, in memory of its own.
+
+        A batch already in that format (no resize, no cast) is rows of its decoder call's output: as a
+        view it would keep the whole group's images alive for as long as the consumer holds it.
+        """
+        out = batch.contiguous(memory_format=self._memory_format)
+        if out.untyped_storage().nbytes() > out.nbytes:
+            return out.clone(memory_format=self._memory_format)
+        return out
 
     def _finish(
         self, batch: Images, size: tuple[int, int] | None, regions: Sequence[Region] | None = None
