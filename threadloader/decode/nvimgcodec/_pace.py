@@ -8,11 +8,14 @@ is doing, and that changes while a loader runs. So ``backend="auto"`` keeps a po
 configuration and sends each decoder call to the one expected to finish it first, from the time per
 image its recent calls took, trying the others again once their measurement is old.
 
-Readers decode at once, and two calls on one configuration share its hardware (the JPEG engine's
-cores, the GPU): a configuration's time per image is kept per call under way, and a call that would
-join others there expects to share with them. So when the faster configuration is busy, a second
-reader takes the other one if that finishes sooner, as ``backend="split"`` splits a batch, and when it
-is not, both take the faster one.
+Readers decode at once, and two calls on one configuration may share its hardware (the JPEG engine's
+cores, the GPU) or not (a second Decoder that one call does not fill): a configuration's calls are
+timed with the calls under way beside them, and how much a second one slows them (its sharing) is
+measured by a join, a call sent beside one under way once a retry's time. While a configuration is
+idle, a call goes where it adds the most images a second to the whole: a slow engine beside a busy GPU
+still adds its own images to the CUDA decoder's, which a second call there barely does. While every
+configuration has calls, it goes where it is expected to finish first, so that its reader chooses
+again soonest; as ``backend="split"`` splits a batch, readers spread where sharing would be slower.
 
 The fastest decoder is what a loader needs while its consumer waits for it. While the consumer is the
 slower side (a training step that keeps the GPU busy), what counts is what the loader takes from it:
@@ -46,18 +49,30 @@ class Turn:
     Attributes:
         arm: The configuration.
         sharing: The calls under way there when it began, itself included.
-        trying: Whether it is the try of a configuration whose measurement was old.
+        trying: Whether it is a try: of a configuration whose measurement was old, or a join.
+        joining: Whether the try joins calls under way there, to measure how they share it.
+        began: When it began, on the pace's clock.
+        load: The configuration's calls under way, integrated over time, when it began.
     """
 
     arm: str
     sharing: int
     trying: bool = False
+    joining: bool = False
+    began: float = 0.0
+    load: float = 0.0
 
 
 class Pace:
     """Seconds per image of each configuration, and which to use for the next call.
 
     Thread-safe: reader threads call :meth:`choose` and then :meth:`record` (or :meth:`abandon`) at once.
+
+    Each configuration's calls are modelled as taking ``alone * (1 + sharing * (calls - 1))`` per
+    image with ``calls`` under way there: ``sharing`` 1 for calls that share its hardware fully (each of
+    two takes twice as long), 0 for Decoders that do not slow each other. The calls' times give the line
+    through their mean; a join (a call sent where others are under way, once a retry's time) gives its
+    slope.
 
     Args:
         arms: The configurations, in order of preference before anything is measured.
@@ -86,56 +101,80 @@ class Pace:
         self._retry_after = retry_after
         self._clock = clock
         self._lock = threading.Lock()
-        self._seconds: dict[str, float] = {}  # per image and per call under way: the running mean
+        now = clock()
+        self._seconds: dict[str, float] = {}  # per image: the running mean of the calls' times
+        self._others: dict[str, float] = {}  # the running mean of the other calls under way beside them
         self._measured: dict[str, float] = {}  # when each was last measured
+        # Full sharing until a join measures it; the first join waits a retry's time, past the start's
+        # slow calls.
+        self._sharing = dict.fromkeys(self.arms, 1.0)
+        self._shared_at = dict.fromkeys(self.arms, now)
         self._under_way = dict.fromkeys(self.arms, 0)
+        self._load = dict.fromkeys(self.arms, 0.0)  # calls under way integrated over time, up to...
+        self._load_at = dict.fromkeys(self.arms, now)  # ...this time
         self._trying: set[str] = set()  # configurations a thread is trying now: one at a time
 
     def choose(self) -> Turn:
         """The configuration for the next call.
 
-        One never measured or measured long ago, else the one expected to take the least time, given the
-        calls under way there.
+        One never measured or measured long ago; else a join of the calls under way on one whose
+        sharing was measured long ago; else, while some configuration is idle, the one where the call
+        adds the most images a second (an idle one its whole speed, a busy one what sharing lets it
+        add): an idle configuration's hardware is wasted; else the one expected to finish the call
+        first, so that its reader chooses again soonest.
         """
         with self._lock:
             now = self._clock()
             arm = self._settled_arm
             if self._settled and arm is not None and not self._failed(arm, now):
-                self._under_way[arm] += 1
-                return Turn(arm, self._under_way[arm])
+                return self._begin(arm, now)
             for arm in self.arms:
-                stale = now - self._measured.get(arm, -float("inf")) > self._retry_after
-                if stale and arm not in self._trying:
-                    self._trying.add(arm)
-                    self._under_way[arm] += 1
-                    return Turn(arm, self._under_way[arm], trying=True)
-            arm = min(
-                self.arms, key=lambda arm: self._seconds.get(arm, float("inf")) * (self._under_way[arm] + 1)
-            )
-            self._under_way[arm] += 1
-            return Turn(arm, self._under_way[arm])
+                if not self._fresh(arm, now) and arm not in self._trying:
+                    return self._begin(arm, now, trying=True)
+            for arm in self.arms:
+                old = now - self._shared_at[arm] > self._retry_after
+                if old and self._under_way[arm] and arm not in self._trying and not self._failed(arm, now):
+                    return self._begin(arm, now, trying=True, joining=True)
+            finish = {arm: self._per_image(arm, self._under_way[arm] + 1) for arm in self.arms}
+            if all(self._under_way.values()):
+                return self._begin(min(self.arms, key=lambda arm: finish[arm]), now)
+            return self._begin(max(self.arms, key=lambda arm: (self._gain(arm), -finish[arm])), now)
 
     def record(self, turn: Turn, images: int, seconds: float) -> None:
         """Tells how long ``turn``'s call took for ``images`` images, from its choice to its return.
 
         The time includes any wait for a free Decoder of the configuration: what the next call there
-        would wait too.
+        would wait too. A join's time measures how the configuration's calls share it.
 
         ``images=0`` says the call failed: the configuration counts as endlessly slow until it is tried
         again, so a Decoder that fails does not take every call meanwhile.
         """
         arm = turn.arm
         with self._lock:
-            sharing = (turn.sharing + self._under_way[arm]) / 2  # under way at its start and its end
-            self._end(turn)
             now = self._clock()
-            per_image = seconds / images / sharing if images > 0 else float("inf")
-            old = self._seconds.get(arm)
-            fresh = now - self._measured.get(arm, -float("inf")) <= self._retry_after
-            if old is None or not fresh or float("inf") in (old, per_image):
-                self._seconds[arm] = per_image
+            self._advance(arm, now)
+            took = now - turn.began
+            # The calls under way beside it, on average over its time.
+            others = (self._load[arm] - turn.load) / took - 1 if took > 0 else turn.sharing - 1.0
+            self._end(turn)
+            # A nanosecond an image: no call is faster, and a zero would divide.
+            per_image = max(seconds / images, 1e-9) if images > 0 else float("inf")
+            mean, beside = self._seconds.get(arm, float("inf")), self._others.get(arm, 0.0)
+            if turn.joining:
+                self._shared_at[arm] = now  # measured or not (beside no more calls than usual): once
+            if turn.joining and others >= beside + 0.25 and float("inf") not in (mean, per_image):
+                # Calls run at 1 / (1 + sharing) of their speed alone while beside another: the rate of
+                # images falls in a line with the time beside one, through the mean and the join.
+                slope = (1 / per_image - 1 / mean) / (others - beside)
+                rate = 1 / mean - slope * beside
+                part = min(0.5, max(0.0, -slope / rate)) if rate > 0 else 0.5
+                self._sharing[arm] = part / (1 - part)
+                return
+            if not self._fresh(arm, now) or float("inf") in (mean, per_image):
+                self._seconds[arm], self._others[arm] = per_image, others
             else:
-                self._seconds[arm] = old + SMOOTHING * (per_image - old)
+                self._seconds[arm] = mean + SMOOTHING * (per_image - mean)
+                self._others[arm] = beside + SMOOTHING * (others - beside)
             self._measured[arm] = now
 
     def settle(self, consumer_ahead: bool) -> None:
@@ -149,19 +188,48 @@ class Pace:
     def abandon(self, turn: Turn) -> None:
         """Ends ``turn`` without a measurement (its call was cancelled, or found no Decoder)."""
         with self._lock:
+            self._advance(turn.arm, self._clock())
             self._end(turn)
+
+    def seconds_per_image(self) -> dict[str, float]:
+        """Each measured configuration's seconds per image of a call alone there, lately."""
+        with self._lock:
+            return {arm: self._per_image(arm, 1) for arm in self._seconds}
+
+    def _begin(self, arm: str, now: float, *, trying: bool = False, joining: bool = False) -> Turn:
+        self._advance(arm, now)
+        if trying:
+            self._trying.add(arm)
+        self._under_way[arm] += 1
+        return Turn(arm, self._under_way[arm], trying, joining, now, self._load[arm])
+
+    def _advance(self, arm: str, now: float) -> None:
+        """Integrates ``arm``'s calls under way up to ``now``."""
+        self._load[arm] += self._under_way[arm] * max(0.0, now - self._load_at[arm])
+        self._load_at[arm] = max(now, self._load_at[arm])
+
+    def _per_image(self, arm: str, calls: int) -> float:
+        """Expected seconds per image of each of ``calls`` calls at once on ``arm``."""
+        mean, sharing = self._seconds.get(arm, float("inf")), self._sharing[arm]
+        beside = self._others.get(arm, 0.0)
+        alone = mean * (1 + sharing * max(0.0, 1 - beside)) / (1 + sharing * max(1.0, beside))
+        return alone * (1 + sharing * (calls - 1))
+
+    def _gain(self, arm: str) -> float:
+        """Images a second the whole gains by one more call on ``arm``, given the calls under way."""
+        calls = self._under_way[arm]
+        before = calls / self._per_image(arm, calls) if calls else 0.0
+        return (calls + 1) / self._per_image(arm, calls + 1) - before
+
+    def _fresh(self, arm: str, now: float) -> bool:
+        """Whether ``arm`` was measured, and not long ago."""
+        return now - self._measured.get(arm, -float("inf")) <= self._retry_after
 
     def _failed(self, arm: str, now: float) -> bool:
         """Whether ``arm``'s last call failed, and not long ago (it is not tried again yet)."""
-        fresh = now - self._measured.get(arm, -float("inf")) <= self._retry_after
-        return fresh and self._seconds.get(arm) == float("inf")
+        return self._fresh(arm, now) and self._seconds.get(arm) == float("inf")
 
     def _end(self, turn: Turn) -> None:
         if turn.trying:
             self._trying.discard(turn.arm)
         self._under_way[turn.arm] -= 1
-
-    def seconds_per_image(self) -> dict[str, float]:
-        """Each measured configuration's running mean: seconds per image, per call under way."""
-        with self._lock:
-            return dict(self._seconds)
