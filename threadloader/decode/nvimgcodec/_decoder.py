@@ -236,7 +236,7 @@ class NvImageCodecDecoder(ImageDecoder):
         return self._start().engine.name
 
     def pace(self) -> dict[str, float]:
-        """Seconds per image lately of each configuration ``backend="auto"`` chooses between.
+        """Seconds per image of a call alone there, lately, in each configuration ``"auto"`` chooses between.
 
         Empty for a fixed backend, and before the first measurement. For diagnostics and benchmarks:
         the choice itself is automatic.
