@@ -21,6 +21,8 @@ docs/benchmarks.md have the measurements they come from.
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,10 +96,14 @@ class Simulation:
     Args:
         scenario: The case.
         pick: Each reader's configuration: ``None`` for every reader lets ``Pace`` choose (``auto``).
+        seed: Seeds the calls' jitter (:func:`jitter`); ``None``: every call takes its time exactly.
     """
 
-    def __init__(self, scenario: Scenario, pick: list[str] | None = None) -> None:
+    def __init__(self, scenario: Scenario, pick: list[str] | None = None, seed: int | None = None) -> None:
         self.scenario = scenario
+        # Each reader's own stream of factors, so that its n-th call draws the same one whatever the
+        # policy: the policies then differ in their choices, not in their luck.
+        self.noise = None if seed is None else [random.Random(f"{seed}/{i}") for i in range(scenario.readers)]
         self.now = 0.0
         self.pick = pick
         self.pace = Pace(list(scenario.pools), clock=lambda: self.now)
@@ -154,6 +160,8 @@ class Simulation:
         while state.queue and len(state.decoding) < self.scenario.pools[arm]:
             call = state.queue.popleft()
             call.left = IMAGES * self.scenario.per_image(arm, self.now)
+            if self.noise is not None:
+                call.left *= jitter(self.noise[call.reader])
             state.decoding.append(call)
 
     def _returned(self, call: _Call) -> None:
@@ -163,8 +171,18 @@ class Simulation:
         self.host_until[call.reader] = self.now + self.scenario.host
 
 
-def throughputs(scenario: Scenario) -> dict[str, float]:
-    """Images per second of ``auto``, of each configuration alone, and of each fixed split of readers."""
+def jitter(rng: random.Random) -> float:
+    """A call's time against its configuration's usual one, on a GPU: a few tenths either way, and at
+    times a stall (the driver's, a training step's burst) that takes it several times as long."""
+    spread, stall = rng.uniform(0.8, 1.2), rng.random() < 0.02
+    return spread * (2.5 if stall else 1.0)
+
+
+def throughputs(scenario: Scenario, seed: int | None = None) -> dict[str, float]:
+    """Images per second of ``auto``, of each configuration alone, and of each fixed split of readers.
+
+    With ``seed``, every call's time jitters (:func:`jitter`), alike for ``auto`` and the fixed choices.
+    """
     end = START + SPAN
     arms = list(scenario.pools)
     picks: dict[str, list[str] | None] = {"auto": None}
@@ -175,7 +193,7 @@ def throughputs(scenario: Scenario) -> dict[str, float]:
         picks[f"{n} on {first}"] = [first] * n + [second] * (scenario.readers - n)
     result = {}
     for name, pick in picks.items():
-        sim = Simulation(scenario, pick)
+        sim = Simulation(scenario, pick, seed)
         sim.run(end)
         result[name] = sim.throughput(START, end)
     return result
@@ -258,16 +276,46 @@ def test_auto_follows_an_engine_that_gets_fast_again_within_5_percent_of_every_s
     _within_5_percent(STEP_ENDS, throughputs(STEP_ENDS))
 
 
+INDEPENDENT = Scenario(
+    "alone: the engine's two Decoders independent",
+    readers=2,
+    per_image=steady(*ALONE),
+    engine=lambda k: 1.0,
+)
+
+
 def test_auto_uses_a_second_decoder_that_does_not_slow_the_first() -> None:
     """Two readers, and an engine whose two Decoders decode at once without slowing each other (one
     call does not fill its cores): both calls belong on the engine. Taking them to share it fully,
     ``auto`` sent the second to the CUDA decoder (55 us an image against twice 30); a join shows it
     that they do not."""
-    scenario = Scenario(
-        "alone: the engine's two Decoders independent",
-        readers=2,
-        per_image=steady(*ALONE),
-        engine=lambda k: 1.0,
-    )
-    result = throughputs(scenario)
+    result = throughputs(INDEPENDENT)
     assert result["auto"] >= 0.95 * result["all"], result
+
+
+#: Seeds of the calls' jitter: the first few, each run a few seconds of simulated time.
+SEEDS = range(6)
+
+#: A join on the fully shared engine that happens to run faster than its running mean measures its
+#: sharing as none; ``auto`` then sends most calls there, so the engine's usual company grows and no
+#: later join exceeds it by enough to measure it again. Apart from that, with its sharing held where the
+#: noise-free model measures it, ``auto`` is still short of the best split here: a third call on the
+#: engine and a second on the CUDA decoder are expected to finish at nearly the same time, and the
+#: jitter in the running means decides which takes it, though only the CUDA decoder gains by it.
+STUCK_SHARING = pytest.mark.xfail(
+    strict=True, reason="a fast join measures the shared engine as unshared, and no later join corrects it"
+)
+
+NOISY = [
+    pytest.param(scenario, marks=STUCK_SHARING if scenario is SCENARIOS[0] else (), id=scenario.name)
+    for scenario in (*SCENARIOS, STEP_ENDS, INDEPENDENT)
+]
+
+
+@pytest.mark.parametrize("scenario", NOISY)
+def test_auto_is_within_5_percent_of_every_fixed_choice_when_calls_jitter(scenario: Scenario) -> None:
+    """A GPU's calls do not take the same time twice: the means, the company beside a call and a
+    join's measurement of sharing all jitter. Over a few seeds, no fixed choice decodes more than 5%
+    faster than ``auto`` on the mean: the policy does not hold only on the noise-free model."""
+    runs = [throughputs(scenario, seed) for seed in SEEDS]
+    _within_5_percent(scenario, {name: statistics.fmean(run[name] for run in runs) for name in runs[0]})
