@@ -296,20 +296,7 @@ def test_auto_uses_a_second_decoder_that_does_not_slow_the_first() -> None:
 #: Seeds of the calls' jitter: the first few, each run a few seconds of simulated time.
 SEEDS = range(6)
 
-#: A join on the fully shared engine that happens to run faster than its running mean measures its
-#: sharing as none; ``auto`` then sends most calls there, so the engine's usual company grows and no
-#: later join exceeds it by enough to measure it again. Apart from that, with its sharing held where the
-#: noise-free model measures it, ``auto`` is still short of the best split here: a third call on the
-#: engine and a second on the CUDA decoder are expected to finish at nearly the same time, and the
-#: jitter in the running means decides which takes it, though only the CUDA decoder gains by it.
-STUCK_SHARING = pytest.mark.xfail(
-    strict=True, reason="a fast join measures the shared engine as unshared, and no later join corrects it"
-)
-
-NOISY = [
-    pytest.param(scenario, marks=STUCK_SHARING if scenario is SCENARIOS[0] else (), id=scenario.name)
-    for scenario in (*SCENARIOS, STEP_ENDS, INDEPENDENT)
-]
+NOISY = [pytest.param(scenario, id=scenario.name) for scenario in (*SCENARIOS, STEP_ENDS, INDEPENDENT)]
 
 
 @pytest.mark.parametrize("scenario", NOISY)

@@ -168,6 +168,11 @@ class Pace:
                 slope = (1 / per_image - 1 / mean) / (others - beside)
                 rate = 1 / mean - slope * beside
                 part = min(0.5, max(0.0, -slope / rate)) if rate > 0 else 0.5
+                if part == 0 < self._sharing[arm]:
+                    # No slower beside more calls: unshared, or a call that jittered. Joined again at
+                    # once, before the choices made on it pile the calls there, where no join would
+                    # have more company than usual to measure it again.
+                    self._shared_at[arm] = now - self._retry_after
                 self._sharing[arm] = part / (1 - part)
                 return
             if not self._fresh(arm, now) or float("inf") in (mean, per_image):
