@@ -367,6 +367,22 @@ def test_a_stalled_http_read_times_out_as_configured(
     assert "time limit" in str(info.value) and "FSSPEC_HTTP" in str(info.value), str(info.value)
 
 
+def test_a_shard_whose_server_stalls_at_construction_names_the_time_limit(
+    stalling: tuple[str, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Indexing a shard reads it through fsspec's file object, not ``cat_file``: running out of the time
+    limit there was "cannot index the shard: FSTimeoutError: ", which said neither what ran out nor
+    how to change it."""
+    base, _ = stalling
+    monkeypatch.setitem(fsspec.config.conf, "http", {"timeout": 0.3})
+    started = time.monotonic()
+    with pytest.raises(ShardError) as info:
+        TarShards(f"{base}/x.tar")
+    assert time.monotonic() - started < 5.0
+    assert info.value.shard == f"{base}/x.tar"
+    assert "time limit" in str(info.value) and "FSSPEC_HTTP" in str(info.value), str(info.value)
+
+
 # ------------------------------------------------------------------------------------- without fsspec
 
 

@@ -142,10 +142,19 @@ def cat_file(fs: Any, path: str, url: str, start: int | None = None, end: int | 
     try:
         return bytes(future.result())
     except asyncio.TimeoutError as exc:  # aiohttp's has no message: say what ran out and what sets it
-        raise TimeoutError(
-            f"{url}: no answer within the back end's time limit (for HTTP, aiohttp's 5 minutes unless set "
-            """through fsspec's configuration: FSSPEC_HTTP='{"timeout": 60}' in the environment)"""
-        ) from exc
+        raise TimeoutError(timed_out(url)) from exc
+
+
+def timed_out(url: str) -> str:
+    """What ran out when a read of ``url`` found no answer in time, and what sets it.
+
+    fsspec's ``FSTimeoutError`` (aiohttp's) carries no message: an error that only named it said
+    neither that a time limit ran out nor how to change it.
+    """
+    return (
+        f"{url}: no answer within the back end's time limit (for HTTP, aiohttp's 5 minutes unless set "
+        """through fsspec's configuration: FSSPEC_HTTP='{"timeout": 60}' in the environment)"""
+    )
 
 
 def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:

@@ -14,6 +14,7 @@ the walk on open (docs/sources.md has it measured) and a little memory per sampl
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import copy
 import glob
@@ -35,7 +36,7 @@ from typing import IO, Any, Literal, Protocol
 
 from ._checks import check_count
 from ._encoded import IMAGE_EXTENSIONS, Deferred
-from ._remote import cat_file, filesystem, is_url
+from ._remote import cat_file, filesystem, is_url, timed_out
 from .errors import ThreadLoaderError
 
 __all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
@@ -669,6 +670,8 @@ def _index_shard(
     except ShardError:
         raise
     except Exception as exc:  # OSError, tarfile.ReadError, and whatever an fsspec back end raises
+        if _ran_out_of_time(exc):
+            raise ShardError(f"cannot index the shard: {timed_out(url)}", shard=url) from exc
         raise ShardError(f"{url}: cannot index the shard: {type(exc).__name__}: {exc}", shard=url) from exc
     if not members:
         raise ShardError(
@@ -678,6 +681,22 @@ def _index_shard(
         )
     _group(shard, members, targets, images, target)
     return shard
+
+
+def _ran_out_of_time(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is a back end's time limit running out.
+
+    fsspec's HTTP size lookup turns a request that timed out into ``FileNotFoundError``, and its
+    timeout (aiohttp's) has no message: named as they are, neither says what ran out.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, asyncio.TimeoutError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 class _Walk(tarfile.TarFile):
