@@ -37,7 +37,7 @@ from typing import IO, Any, Literal, Protocol
 from ._checks import check_count
 from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import cat_file, filesystem, is_url, timed_out
-from .errors import ThreadLoaderError
+from .errors import ThreadLoaderError, chained
 
 __all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
 
@@ -689,14 +689,7 @@ def _ran_out_of_time(exc: BaseException) -> bool:
     fsspec's HTTP size lookup turns a request that timed out into ``FileNotFoundError``, and its
     timeout (aiohttp's) has no message: named as they are, neither says what ran out.
     """
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, asyncio.TimeoutError):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
+    return any(isinstance(cause, asyncio.TimeoutError) for cause in chained(exc))
 
 
 class _Walk(tarfile.TarFile):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import re
 import traceback
+from collections.abc import Iterator
 from queue import Full
 
 __all__ = ["CPUFallbackWarning", "LoaderClosedError", "QueueFullError", "SampleError", "ThreadLoaderError"]
@@ -86,6 +87,21 @@ def detached(exc: BaseException, *, as_text: bool = True) -> BaseException:
     traceback is kept as text, in a note (Python 3.11 and later print it with the exception), unless
     not ``as_text``.
     """
+    for current in chained(exc):
+        if current.__traceback__ is not None:
+            if as_text:
+                frames = "".join(traceback.format_tb(current.__traceback__)).rstrip()
+                _note_once(current, f"{_TRACEBACK_NOTE}\n{frames}")
+            current.__traceback__ = None
+    return exc
+
+
+def chained(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it holds: its cause, its context, an exception group's members.
+
+    Each once, cycles included. The members count: a source's fetches in a task group hold their own
+    tracebacks, and their own causes.
+    """
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:
@@ -93,16 +109,9 @@ def detached(exc: BaseException, *, as_text: bool = True) -> BaseException:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if current.__traceback__ is not None:
-            if as_text:
-                frames = "".join(traceback.format_tb(current.__traceback__)).rstrip()
-                _note_once(current, f"{_TRACEBACK_NOTE}\n{frames}")
-            current.__traceback__ = None
-        # An exception group's members each hold a traceback too: a source's (its fetches in a task
-        # group) kept the reader's stack alive, down to its group's bytes.
+        yield current
         members = getattr(current, "exceptions", ()) if isinstance(current, _GROUPS) else ()
         pending += [current.__cause__, current.__context__, *members]
-    return exc
 
 
 _TRACEBACK_NOTE = "Traceback (as text; its frames released):"
