@@ -249,11 +249,18 @@ def test_auto_is_within_5_percent_of_every_fixed_choice(scenario: Scenario) -> N
 
 
 def _within_5_percent(scenario: Scenario, result: dict[str, float]) -> None:
+    _within(scenario, result, 0.95)
+
+
+def _within(scenario: Scenario, result: dict[str, float], ratio: float, label: str = "") -> None:
+    """``auto``'s images a second in ``result`` are at least ``ratio`` of every fixed choice's."""
+    result = dict(result)
     auto = result.pop("auto")
     best = max(result, key=lambda name: result[name])
     figures = ", ".join(f"{name} {images:,.0f}" for name, images in result.items())
-    assert auto >= 0.95 * result[best], (
-        f"{scenario.name}: auto {auto:,.0f} images/s is {auto / result[best]:.2f}x of {best!r}; {figures}"
+    assert auto >= ratio * result[best], (
+        f"{scenario.name}{label}: auto {auto:,.0f} images/s is {auto / result[best]:.2f}x of {best!r}; "
+        f"{figures}"
     )
 
 
@@ -306,3 +313,17 @@ def test_auto_is_within_5_percent_of_every_fixed_choice_when_calls_jitter(scenar
     faster than ``auto`` on the mean: the policy does not hold only on the noise-free model."""
     runs = [throughputs(scenario, seed) for seed in SEEDS]
     _within_5_percent(scenario, {name: statistics.fmean(run[name] for run in runs) for name in runs[0]})
+
+
+@pytest.mark.parametrize("scenario", NOISY)
+def test_no_seed_leaves_auto_more_than_10_percent_behind(scenario: Scenario) -> None:
+    """The mean over seeds hides a run where one join that jittered measured a shared engine as
+    unshared, or where a join had too little company to measure a second Decoder as independent: such
+    a run stays that way until the next join, a second later. No seed of a dozen leaves ``auto`` more than
+    10% behind the best fixed choice of that seed."""
+    worst = min(
+        ((seed, throughputs(scenario, seed)) for seed in range(12)),
+        key=lambda item: item[1]["auto"] / max(v for k, v in item[1].items() if k != "auto"),
+    )
+    seed, run = worst
+    _within(scenario, run, 0.90, f" (seed {seed})")

@@ -11,7 +11,9 @@ image its recent calls took, trying the others again once their measurement is o
 Readers decode at once, and two calls on one configuration may share its hardware (the JPEG engine's
 cores, the GPU) or not (a second Decoder that one call does not fill): a configuration's calls are
 timed with the calls under way beside them, and how much a second one slows them (its sharing) is
-measured by a join, a call sent beside one under way once a retry's time. While a configuration is
+measured by a join, a call sent beside one under way once a retry's time, which keeps its company
+while it runs (a reader whose call there returns goes back), and moves the sharing most of the way to
+what it measured. While a configuration is
 idle, a call goes where it adds the most images a second to the whole: a slow engine beside a busy GPU
 still adds its own images to the CUDA decoder's, which a second call there barely does. While every
 configuration has calls, it goes where it is expected to finish first, so that its reader chooses
@@ -40,6 +42,10 @@ RETRY_AFTER = 1.0
 
 #: Weight of the newest call in a configuration's running mean while it is in use.
 SMOOTHING = 0.3
+
+#: How far one join moves a configuration's sharing towards what it measured: a join's company differs
+#: from the usual by a call or less, so one call that jitters can measure a shared engine as unshared.
+JOIN_WEIGHT = 0.7
 
 
 @dataclass(frozen=True)
@@ -113,12 +119,14 @@ class Pace:
         self._load = dict.fromkeys(self.arms, 0.0)  # calls under way integrated over time, up to...
         self._load_at = dict.fromkeys(self.arms, now)  # ...this time
         self._trying: set[str] = set()  # configurations a thread is trying now: one at a time
+        self._joining: dict[str, int] = {}  # a join under way: the calls there when it began, itself included
 
     def choose(self) -> Turn:
         """The configuration for the next call.
 
         One never measured or measured long ago; else a join of the calls under way on one whose
-        sharing was measured long ago; else, while some configuration is idle, the one where the call
+        sharing was measured long ago; else one whose join has lost company since it began (the join
+        measures sharing by its company); else, while some configuration is idle, the one where the call
         adds the most images a second (an idle one its whole speed, a busy one what sharing lets it
         add): an idle configuration's hardware is wasted; else the one expected to finish the call
         first, so that its reader chooses again soonest.
@@ -135,6 +143,9 @@ class Pace:
                 old = now - self._shared_at[arm] > self._retry_after
                 if old and self._under_way[arm] and arm not in self._trying and not self._failed(arm, now):
                     return self._begin(arm, now, trying=True, joining=True)
+            for arm in self.arms:
+                if self._under_way[arm] < self._joining.get(arm, 0) and not self._failed(arm, now):
+                    return self._begin(arm, now)
             finish = {arm: self._per_image(arm, self._under_way[arm] + 1) for arm in self.arms}
             if all(self._under_way.values()):
                 return self._begin(min(self.arms, key=lambda arm: finish[arm]), now)
@@ -168,11 +179,13 @@ class Pace:
                 slope = (1 / per_image - 1 / mean) / (others - beside)
                 rate = 1 / mean - slope * beside
                 part = min(0.5, max(0.0, -slope / rate)) if rate > 0 else 0.5
+                before = self._sharing[arm] / (1 + self._sharing[arm])
                 if part == 0 < self._sharing[arm]:
                     # No slower beside more calls: unshared, or a call that jittered. Joined again at
                     # once, before the choices made on it pile the calls there, where no join would
                     # have more company than usual to measure it again.
                     self._shared_at[arm] = now - self._retry_after
+                part = before + JOIN_WEIGHT * (part - before)
                 self._sharing[arm] = part / (1 - part)
                 return
             if not self._fresh(arm, now) or float("inf") in (mean, per_image):
@@ -205,6 +218,8 @@ class Pace:
         self._advance(arm, now)
         if trying:
             self._trying.add(arm)
+        if joining:
+            self._joining[arm] = self._under_way[arm] + 1
         self._under_way[arm] += 1
         return Turn(arm, self._under_way[arm], trying, joining, now, self._load[arm])
 
@@ -237,4 +252,6 @@ class Pace:
     def _end(self, turn: Turn) -> None:
         if turn.trying:
             self._trying.discard(turn.arm)
+        if turn.joining:
+            self._joining.pop(turn.arm, None)
         self._under_way[turn.arm] -= 1
