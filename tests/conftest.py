@@ -81,6 +81,16 @@ def encode(array: np.ndarray, fmt: str = "JPEG", mode: str | None = None, **save
     return out.getvalue()
 
 
+def write_files(folder: Path, payloads: list[bytes], name: str = "{}.jpg") -> list[str]:
+    """Writes each payload to ``folder / name.format(i)``; the paths, in order."""
+    paths = []
+    for i, data in enumerate(payloads):
+        path = folder / name.format(i)
+        path.write_bytes(data)
+        paths.append(str(path))
+    return paths
+
+
 def distinct_jpegs(count: int, height: int, width: int, first_seed: int = 0) -> list[bytes]:
     """``count`` small JPEGs, each from a seed of its own, so that a wrong sample shows in the pixels."""
     return [encode(photo(height, width, seed=first_seed + i), quality=90) for i in range(count)]

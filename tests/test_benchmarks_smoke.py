@@ -180,3 +180,11 @@ def test_a_failed_fixed_input_row_gives_no_ratio() -> None:
     ok = TrainingRow(RowSpec("eager", "fixed_input"), images_per_s=[2500.0])
     assert ratio(loader, [failed, loader]) is None
     assert ratio(loader, [failed, ok, loader]) == 2350.0 / 2500.0
+
+
+def test_file_reads_reports_what_each_way_of_reading_costs_the_main_thread(tmp_path: Path) -> None:
+    args = ["--files", "128", "--rounds", "1", "--seconds", "0.2", "--rate", "2000"]
+    result = run_benchmark("benchmarks.tools.file_reads", args, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "round 1: alone" in result.stdout and "python: " in result.stdout and "c: " in result.stdout
+    assert "Python's reads" in result.stdout.splitlines()[-1], result.stdout

@@ -49,7 +49,15 @@ from threadloader._pipeline import Batch
 from threadloader.decode import PillowDecoder
 from threadloader.transforms import RandomHorizontalFlip, RandomResizedCrop, Transform
 
-from .conftest import distinct_jpegs, encode, photo, pil_reference, resident_bytes, wait_for_no_reader_threads
+from .conftest import (
+    distinct_jpegs,
+    encode,
+    photo,
+    pil_reference,
+    resident_bytes,
+    wait_for_no_reader_threads,
+    write_files,
+)
 
 H, W = 32, 48
 N = 24
@@ -62,12 +70,7 @@ def blobs() -> list[bytes]:
 
 @pytest.fixture
 def paths(tmp_path: Path, blobs: list[bytes]) -> list[str]:
-    out = []
-    for i, data in enumerate(blobs):
-        path = tmp_path / f"img_{i:03d}.jpg"
-        path.write_bytes(data)
-        out.append(str(path))
-    return out
+    return write_files(tmp_path, blobs, "img_{:03d}.jpg")
 
 
 def assert_pixels(images: torch.Tensor | list[torch.Tensor], refs: list[np.ndarray], indices: list[int]):

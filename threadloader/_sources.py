@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from torch.utils.data import IterableDataset
 
+from . import _filereads
 from ._cancel import check_cancelled
 from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import is_url, read_url, require_fsspec
@@ -363,10 +364,14 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]
     Raises:
         ImportError: If a sample is a URL and fsspec is not installed (a set-up error, not the sample's).
     """
+    files = _read_files(fetched) if _filereads.available() else {}
     blobs: list[Blob | SampleError] = []
-    for sample in fetched:
+    for position, sample in enumerate(fetched):
         if isinstance(sample, SampleError):
             blobs.append(sample)
+            continue
+        if position in files:
+            blobs.append(files[position])
             continue
         check_cancelled()  # a slow storage makes a long batch too
         index, data, _ = sample
@@ -378,6 +383,32 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]
         else:
             blobs.append(_read_deferred(index, data))  # type: ignore[arg-type]
     return blobs
+
+
+def _read_files(fetched: list[Fetched | SampleError]) -> dict[int, Blob | SampleError]:
+    """The batch's files, read at once in C (:mod:`._filereads`), by position.
+
+    Those it leaves to Python (:data:`._filereads.RETRY`) are not in it: :func:`_read_file` reads them.
+    """
+    at = [
+        position
+        for position, sample in enumerate(fetched)
+        if not isinstance(sample, SampleError) and _kind(type(sample[1])) == _PATH
+    ]
+    if not at:
+        return {}
+    check_cancelled()
+    paths: list[str | os.PathLike[str]] = [fetched[position][1] for position in at]  # type: ignore[index,misc]
+    read: dict[int, Blob | SampleError] = {}
+    for position, path, outcome in zip(at, paths, _filereads.read_files(paths, _READ_FLAGS), strict=True):
+        index = fetched[position][0]  # type: ignore[index]
+        if isinstance(outcome, OSError):
+            read[position] = _error(outcome, index, os.fsdecode(path), "read")
+        elif isinstance(outcome, _filereads.NotRegular):
+            read[position] = _not_regular(index, path, outcome.mode)
+        elif outcome is not _filereads.RETRY:
+            read[position] = outcome
+    return read
 
 
 def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
@@ -398,11 +429,15 @@ def _read_file(index: int, path: str | os.PathLike[str]) -> bytes | SampleError:
             os.close(fd)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, a lone surrogate in its name
         return _error(exc, index, os.fsdecode(path), "read")
+    return _not_regular(index, path, status.st_mode)
+
+
+def _not_regular(index: int, path: str | os.PathLike[str], mode: int) -> SampleError:
     return SampleError(
         index=index,
         origin=os.fsdecode(path),
         stage="read",
-        reason=f"not a regular file ({_file_kind(status.st_mode)}): only regular files are read",
+        reason=f"not a regular file ({_file_kind(mode)}): only regular files are read",
     )
 
 

@@ -531,13 +531,18 @@ class Workspace:
         """Points the code stream at ``position`` to ``item`` and reads its header; the status."""
         if isinstance(item, bytes):
             pointer: Any = item  # ctypes passes a pointer to the bytes themselves
-        else:  # a bytearray, a memoryview: its address
+            size = len(item)
+        elif isinstance(item, memoryview) and not item.readonly and item.c_contiguous and item.nbytes:
+            # A file's view of its group's read buffer (_filereads): its address, without the few
+            # microseconds numpy's wrapper takes under the GIL.
+            pointer, size = ctypes.addressof(ctypes.c_char.from_buffer(item)), item.nbytes
+        else:  # a bytearray, another memoryview: its address
             item = np.frombuffer(item, dtype=np.uint8)
-            pointer = item.ctypes.data
+            pointer, size = item.ctypes.data, len(item)
         self._data[position] = item
         library = self._library
         status = library.CodeStreamCreateFromHostMem(
-            self._instance.handle, self._streams_at + 8 * position, pointer, len(item), None
+            self._instance.handle, self._streams_at + 8 * position, pointer, size, None
         )
         if status == 0:
             status = library.CodeStreamGetImageInfo(

@@ -1,0 +1,87 @@
+"""A batch's files read at once in C (``threadloader/_reads.c``): the same bytes and the same errors as
+Python's reads (checked against ``Path.read_bytes`` and the error Python's ``open`` raises), every
+descriptor closed, and Python's own reads where the library was not built."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from threadloader import _filereads, _sources
+from threadloader._sources import read_batch
+
+from .conftest import write_files
+
+pytestmark = pytest.mark.skipif(not _filereads.available(), reason="the C library (_reads.c) was not built")
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> list[str]:
+    return write_files(tmp_path, [os.urandom(size) for size in (5_000, 0, 1, 70_000, 4096, 123)])
+
+
+def test_a_batchs_files_are_read_in_c_whole(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's read is not called for regular files: the C reads give every byte of each."""
+
+    def refuse(index: int, path: str) -> bytes:
+        raise AssertionError(f"read {path} in Python")
+
+    monkeypatch.setattr(_sources, "_read_file", refuse)
+    blobs = read_batch([(i, path, None) for i, path in enumerate(files)])
+    assert [bytes(blob) for blob in blobs] == [Path(path).read_bytes() for path in files]  # type: ignore[arg-type]
+
+
+def test_without_the_library_python_reads_them(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_filereads, "_loaded", [None])
+    assert not _filereads.available()
+    blobs = read_batch([(i, path, None) for i, path in enumerate(files)])
+    assert blobs == [Path(path).read_bytes() for path in files]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_what_cannot_be_read_fails_its_sample_alone_and_closes_every_descriptor(
+    files: list[str], tmp_path: Path
+) -> None:
+    fifo = str(tmp_path / "pipe.jpg")
+    os.mkfifo(fifo)
+    missing = str(tmp_path / "gone.jpg")
+    batch = [files[0], missing, str(tmp_path), fifo, "bad\0name.jpg", files[3]]
+    before = _open_descriptors()
+    result: list[Any] = []
+    reader = threading.Thread(
+        target=lambda: result.extend(read_batch([(i, p, None) for i, p in enumerate(batch)]))
+    )
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "reading a FIFO with no writer blocked"
+    assert _open_descriptors() == before
+    good, gone, directory, pipe, nul, last = result
+    assert bytes(good) == Path(files[0]).read_bytes()
+    assert bytes(last) == Path(files[3]).read_bytes()
+    with pytest.raises(FileNotFoundError) as python:
+        open(missing, "rb")  # noqa: SIM115
+    errors = {"gone": gone, "directory": directory, "pipe": pipe, "nul": nul}
+    assert all(isinstance(error, _sources.SampleError) for error in errors.values()), errors
+    assert gone.reason == f"FileNotFoundError: {python.value}"
+    assert (gone.index, gone.stage, gone.origin) == (1, "read", missing)
+    assert directory.reason.startswith("not a regular file (a directory)")
+    assert pipe.reason.startswith("not a regular file (a FIFO")
+    assert nul.reason == "ValueError: embedded null byte"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/cmdline"), reason="needs a file that states a size of 0")
+def test_a_file_that_states_a_smaller_size_is_read_to_its_end(files: list[str]) -> None:
+    """A virtual file (size 0, content) or one that grew: the C read fills its stated size and one more
+    byte, so it is read again in Python, whole."""
+    assert os.stat("/proc/self/cmdline").st_size == 0
+    blobs = read_batch([(0, files[0], None), (1, "/proc/self/cmdline", None)])
+    assert bytes(blobs[1]) == Path("/proc/self/cmdline").read_bytes() != b""  # type: ignore[arg-type]
+    assert bytes(blobs[0]) == Path(files[0]).read_bytes()  # type: ignore[arg-type]

@@ -1,0 +1,109 @@
+"""A group's files read in two calls into C (``_reads.c``), where that library was built.
+
+Python's read of one file lets go of the GIL four times (``os.open``, ``os.fstat``, ``os.read``,
+``os.close``), and each time a training loop beside the readers may take it: a hand-off that costs the
+loop a wake-up, per system call. Here a whole group's files cost two calls, each letting go of the GIL
+once (ctypes does around a call): one opens them all and reads their sizes, the other reads them into
+one buffer and closes them. The buffer is an anonymous ``mmap``, which Python does not fill with zeros
+first as it does a ``bytearray``: its pages are touched by the reads, with the GIL let go.
+
+Anything this cannot read as Python would (a path that does not encode, a file that grew past its
+stated size) comes back as :data:`RETRY`, for Python's own read, which raises what it always raised.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from ctypes import POINTER, c_char_p, c_int, c_longlong, c_uint, c_void_p
+from dataclasses import dataclass
+
+__all__ = ["RETRY", "NotRegular", "available", "read_files"]
+
+
+@dataclass(frozen=True)
+class NotRegular:
+    """A path that is not a regular file (a directory, a FIFO, a device): its ``st_mode``."""
+
+    mode: int
+
+
+#: A path to read with Python's own calls instead.
+RETRY = None
+
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []  # once tried: the library, or None where it was not built
+
+
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if not _loaded:
+            spec = importlib.util.find_spec(f"{__package__}._reads")
+            library = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None
+            if library is not None:
+                int_p, long_p = POINTER(c_int), POINTER(c_longlong)
+                names, modes = POINTER(c_char_p), POINTER(c_uint)
+                library.tl_open_files.argtypes = [c_int, names, c_int, int_p, long_p, modes, int_p]
+                library.tl_read_files.argtypes = [c_int, int_p, long_p, c_void_p, long_p, long_p, int_p]
+                library.tl_close_files.argtypes = [c_int, int_p]
+                for function in (library.tl_open_files, library.tl_read_files, library.tl_close_files):
+                    function.restype = None
+            _loaded.append(library)
+        return _loaded[0]
+
+
+def available() -> bool:
+    """Whether the C library was built (a C compiler was found when threadloader was installed)."""
+    return _library() is not None
+
+
+def read_files(
+    paths: Sequence[str | os.PathLike[str]], flags: int
+) -> list[memoryview | OSError | NotRegular | None]:
+    """Reads each path's regular file, opened with ``flags``; needs :func:`available`.
+
+    Returns:
+        Per path, in order: its bytes (a view of one buffer shared by the group), the ``OSError`` that
+        opening or reading it raised, :class:`NotRegular`, or :data:`RETRY`.
+    """
+    library = _library()
+    assert library is not None, "read_files needs the C library: check available() first"
+    encoded: list[bytes | None] = []
+    for path in paths:
+        try:
+            name = os.fsencode(path)
+        except (TypeError, ValueError):  # not a path, a lone surrogate: Python's read says so
+            name = None
+        encoded.append(None if name is None or b"\0" in name else name)
+    sent = [position for position, name in enumerate(encoded) if name is not None]
+    count = len(sent)
+    results: list[memoryview | OSError | NotRegular | None] = [RETRY] * len(paths)
+    if not count:
+        return results
+    names = (c_char_p * count)(*(encoded[position] for position in sent))
+    fds, sizes, modes, errs = (c_int * count)(), (c_longlong * count)(), (c_uint * count)(), (c_int * count)()
+    library.tl_open_files(count, names, flags, fds, sizes, modes, errs)
+    try:
+        offsets, got = (c_longlong * count)(), (c_longlong * count)()
+        total = 0
+        for slot in range(count):
+            offsets[slot] = total
+            total += sizes[slot] + 1 if sizes[slot] >= 0 else 0
+        buffer = mmap.mmap(-1, max(total, 1))
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        library.tl_read_files(count, fds, sizes, address, offsets, got, errs)
+    finally:
+        library.tl_close_files(count, fds)  # those not reached, where making the buffer raised
+    view = memoryview(buffer)
+    for slot, position in enumerate(sent):
+        if errs[slot]:
+            results[position] = OSError(errs[slot], os.strerror(errs[slot]), os.fsdecode(paths[position]))
+        elif sizes[slot] < 0:
+            results[position] = NotRegular(modes[slot])
+        elif got[slot] <= sizes[slot]:  # else it grew past its size, or says 0 (a virtual file): RETRY
+            results[position] = view[offsets[slot] : offsets[slot] + got[slot]]
+    return results
