@@ -188,3 +188,9 @@ def test_file_reads_reports_what_each_way_of_reading_costs_the_main_thread(tmp_p
     assert result.returncode == 0, result.stderr[-4000:]
     assert "round 1: alone" in result.stdout and "python: " in result.stdout and "c: " in result.stdout
     assert "Python's reads" in result.stdout.splitlines()[-1], result.stdout
+
+
+def test_memory_census_says_it_needs_a_gpu(tmp_path: Path) -> None:
+    result = run_benchmark("benchmarks.tools.memory_census", ["--batches", "2"], tmp_path)
+    assert result.returncode == 1
+    assert "needs a CUDA device" in result.stderr
