@@ -98,12 +98,14 @@ def read_files(
         library.tl_read_files(count, fds, sizes, address, offsets, got, errs)
     finally:
         library.tl_close_files(count, fds)  # those not reached, where making the buffer raised
-    view = memoryview(buffer)
     for slot, position in enumerate(sent):
         if errs[slot]:
             results[position] = OSError(errs[slot], os.strerror(errs[slot]), os.fsdecode(paths[position]))
         elif sizes[slot] < 0:
             results[position] = NotRegular(modes[slot])
         elif got[slot] <= sizes[slot]:  # else it grew past its size, or says 0 (a virtual file): RETRY
-            results[position] = view[offsets[slot] : offsets[slot] + got[slot]]
+            # A view of its own of the buffer, not a slice of one shared view: on a free-threaded
+            # Python, views sliced from one share a count of exports that threads dropping them at
+            # once can miscount, and the buffer could be freed under the others (CPython gh-127716).
+            results[position] = memoryview(buffer)[offsets[slot] : offsets[slot] + got[slot]]
     return results
