@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from threadloader import _filereads, _sources
+from threadloader._cancel import Cancelled, bind_cancel
 from threadloader._sources import read_batch
 
 from .conftest import write_files
@@ -85,3 +86,33 @@ def test_a_file_that_states_a_smaller_size_is_read_to_its_end(files: list[str]) 
     blobs = read_batch([(0, files[0], None), (1, "/proc/self/cmdline", None)])
     assert bytes(blobs[1]) == Path("/proc/self/cmdline").read_bytes() != b""  # type: ignore[arg-type]
     assert bytes(blobs[0]) == Path(files[0]).read_bytes()  # type: ignore[arg-type]
+
+
+def test_a_stop_is_seen_between_calls_into_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On slow storage one call's files take a while: a batch is read in calls of a few files each,
+    and a reader told to stop stops before the next call, not at the end of the batch."""
+    paths = write_files(tmp_path, [b"x"] * 40)
+    stop = threading.Event()
+    calls = []
+    read_files = _filereads.read_files
+
+    def first_then_stop(chunk: list[str], flags: int) -> list[Any]:
+        calls.append(len(chunk))
+        stop.set()  # the loader's close, while this call reads
+        return read_files(chunk, flags)
+
+    monkeypatch.setattr(_filereads, "read_files", first_then_stop)
+    result: list[BaseException] = []
+
+    def reader() -> None:
+        bind_cancel(stop)
+        try:
+            read_batch([(i, path, None) for i, path in enumerate(paths)])
+        except BaseException as exc:  # Cancelled is a BaseException
+            result.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    thread.join(10)
+    assert len(result) == 1 and isinstance(result[0], Cancelled), result
+    assert len(calls) == 1 and calls[0] < len(paths), calls

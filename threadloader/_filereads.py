@@ -2,10 +2,12 @@
 
 Python's read of one file lets go of the GIL four times (``os.open``, ``os.fstat``, ``os.read``,
 ``os.close``), and each time a training loop beside the readers may take it: a hand-off that costs the
-loop a wake-up, per system call. Here a whole group's files cost two calls, each letting go of the GIL
-once (ctypes does around a call): one opens them all and reads their sizes, the other reads them into
-one buffer and closes them. The buffer is an anonymous ``mmap``, which Python does not fill with zeros
-first as it does a ``bytearray``: its pages are touched by the reads, with the GIL let go.
+loop a wake-up, per system call. Here the files of a call cost two calls into C, each letting go of the
+GIL once (ctypes does around a call): one opens them all and reads their sizes, the other reads them
+into one buffer and closes them (the read stage gives it a batch's files a few at a time, so that a
+reader told to stop is not held up by a whole batch on slow storage). The buffer is an anonymous
+``mmap``, which Python does not fill with zeros first as it does a ``bytearray``: its pages are
+touched by the reads, with the GIL let go.
 
 Anything this cannot read as Python would (a path that does not encode, a file that grew past its
 stated size) comes back as :data:`RETRY`, for Python's own read, which raises what it always raised.
