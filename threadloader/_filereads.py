@@ -42,6 +42,8 @@ _loaded: list[ctypes.CDLL | None] = []  # once tried: the library, or None where
 
 
 def _library() -> ctypes.CDLL | None:
+    if _loaded:  # once loaded, every batch asks: no lock for that
+        return _loaded[0]
     with _lock:
         if not _loaded:
             spec = importlib.util.find_spec(f"{__package__}._reads")
