@@ -1,17 +1,20 @@
 """A batch's files read at once in C (``threadloader/_reads.c``): the same bytes and the same errors as
 Python's reads (checked against ``Path.read_bytes`` and the error Python's ``open`` raises), every
-descriptor closed, and Python's own reads where the library was not built."""
+descriptor closed, and Python's own reads where the library was not built; a batch's tar members too
+(against what ``tarfile`` extracts, and ``os.pread``'s bytes and errors)."""
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from threadloader import _filereads, _sources
+from threadloader import SampleError, TarMember, TarShards, _filereads, _sources
 from threadloader._cancel import Cancelled, bind_cancel
 from threadloader._sources import read_batch
 
@@ -118,3 +121,59 @@ def test_a_stop_is_seen_between_calls_into_c(tmp_path: Path, monkeypatch: pytest
     thread.join(10)
     assert len(result) == 1 and isinstance(result[0], Cancelled), result
     assert len(calls) == 1 and calls[0] < len(paths), calls
+
+
+def _shard(tmp_path: Path, payloads: list[bytes]) -> Path:
+    path = tmp_path / "000000.tar"
+    with tarfile.open(path, "w") as archive:
+        for key, payload in enumerate(payloads):
+            info = tarfile.TarInfo(f"k{key}.jpg")
+            info.size = len(payload)
+            archive.addfile(info, io.BytesIO(payload))
+    return path
+
+
+def test_a_batchs_tar_members_are_read_in_c(
+    tmp_path: Path, files: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local shard's members (40: three calls) come from C, not their own pread, beside files and bytes:
+    each the bytes tarfile extracts."""
+    path = _shard(tmp_path, [os.urandom(100 + 37 * i) for i in range(40)] + [b""])
+    source = TarShards(path)
+    members = [source[i] for i in range(41)]  # no target members: each item a TarMember
+
+    def refuse(self: TarMember) -> bytes:
+        raise AssertionError(f"read {self.origin} in Python")
+
+    monkeypatch.setattr(TarMember, "read", refuse)
+    batch = [(i, member, None) for i, member in enumerate(members)] + [
+        (41, files[0], None),
+        (42, b"raw", None),
+    ]
+    blobs = read_batch(batch)
+    assert [blob for blob in blobs if isinstance(blob, SampleError)] == []
+    with tarfile.open(path) as archive:
+        expected = [archive.extractfile(f"k{i}.jpg").read() for i in range(41)]  # type: ignore[union-attr]
+    assert [bytes(blob) for blob in blobs] == [*expected, Path(files[0]).read_bytes(), b"raw"]  # type: ignore[arg-type]
+
+
+def test_read_ranges_reads_what_pread_reads(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        ranges = [(fd, 0, 10), (fd, 9_990, 100), (fd, 20_000, 5), (fd, 123, 0), (fd, 4_000, 5_000)]
+        got = _filereads.read_ranges(ranges)
+        assert [bytes(view) for view in got] == [os.pread(fd, size, offset) for _, offset, size in ranges]  # type: ignore[arg-type]
+        closed = os.open(tmp_path / "f", os.O_RDONLY)
+        os.close(closed)
+        with pytest.raises(OSError) as expected:
+            os.pread(closed, 10, 0)
+        [error, fine] = _filereads.read_ranges([(closed, 0, 10), (fd, 0, 3)])
+        assert isinstance(error, OSError) and (error.errno, str(error)) == (
+            expected.value.errno,
+            str(expected.value),
+        )
+        assert bytes(fine) == data[:3]  # type: ignore[arg-type]
+    finally:
+        os.close(fd)

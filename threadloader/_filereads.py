@@ -9,6 +9,9 @@ reader told to stop is not held up by a whole batch on slow storage). The buffer
 ``mmap``, which Python does not fill with zeros first as it does a ``bytearray``: its pages are
 touched by the reads, with the GIL let go.
 
+A tar shard's members are ranges of files the shard's storage keeps open: :func:`read_ranges` reads a
+group of them in one call, where Python's ``os.pread`` lets go of the GIL once a member.
+
 Anything this cannot read as Python would (a path that does not encode, a file that grew past its
 stated size) comes back as :data:`RETRY`, for Python's own read, which raises what it always raised.
 """
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 from ctypes import POINTER, c_char_p, c_int, c_longlong, c_uint, c_void_p
 from dataclasses import dataclass
 
-__all__ = ["RETRY", "NotRegular", "available", "read_files"]
+__all__ = ["RETRY", "NotRegular", "available", "read_files", "read_ranges"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,18 @@ def _library() -> ctypes.CDLL | None:
                 library.tl_open_files.argtypes = [c_int, names, c_int, int_p, long_p, modes, int_p]
                 library.tl_read_files.argtypes = [c_int, int_p, long_p, c_void_p, long_p, long_p, int_p]
                 library.tl_close_files.argtypes = [c_int, int_p]
-                for function in (library.tl_open_files, library.tl_read_files, library.tl_close_files):
+                library.tl_read_ranges.argtypes = [
+                    c_int,
+                    int_p,
+                    long_p,
+                    long_p,
+                    c_void_p,
+                    long_p,
+                    long_p,
+                    int_p,
+                ]
+                functions = (library.tl_open_files, library.tl_read_files, library.tl_close_files)
+                for function in (*functions, library.tl_read_ranges):
                     function.restype = None
             _loaded.append(library)
         return _loaded[0]
@@ -113,3 +127,34 @@ def read_files(
             # once can miscount, and the buffer could be freed under the others (CPython gh-127716).
             results[position] = memoryview(buffer)[offsets[slot] : offsets[slot] + got[slot]]
     return results
+
+
+def read_ranges(ranges: Sequence[tuple[int, int, int]]) -> list[memoryview | OSError]:
+    """Reads each ``(fd, offset, size)`` range of an open file; needs :func:`available`.
+
+    Returns:
+        Per range, in order: its bytes (a view of one buffer shared by the group; shorter than ``size``
+        only where the file ends first), or the ``OSError`` its read raised, as ``os.pread`` would.
+    """
+    library = _library()
+    assert library is not None, "read_ranges needs the C library: check available() first"
+    count = len(ranges)
+    if not count:
+        return []
+    fds, offsets, sizes = (c_int * count)(), (c_longlong * count)(), (c_longlong * count)()
+    at, got, errs = (c_longlong * count)(), (c_longlong * count)(), (c_int * count)()
+    total = 0
+    for slot, (fd, offset, size) in enumerate(ranges):
+        fds[slot], offsets[slot], sizes[slot], at[slot] = fd, offset, size, total
+        total += size
+    buffer = mmap.mmap(-1, max(total, 1))
+    library.tl_read_ranges(
+        count, fds, offsets, sizes, ctypes.addressof(ctypes.c_char.from_buffer(buffer)), at, got, errs
+    )
+    return [
+        OSError(errs[slot], os.strerror(errs[slot]))
+        if errs[slot]
+        # A view of its own of the buffer, as read_files' (CPython gh-127716).
+        else memoryview(buffer)[at[slot] : at[slot] + got[slot]]
+        for slot in range(count)
+    ]

@@ -3,7 +3,8 @@
 A shard (``000000.tar``) holds samples as members that share a key: ``key.jpg`` with ``key.cls``,
 ``key.txt`` or ``key.json``. Each shard is walked once with :mod:`tarfile` when the source is built,
 recording every image member's offset and size and reading the (small) target members; after that a
-sample is one positioned read (``os.pread`` on a local file, a ranged ``cat_file`` through fsspec).
+sample is one positioned read (``os.pread`` on a local file, a ranged ``cat_file`` through fsspec); a
+batch's local members, a few calls into C (:func:`read_members`).
 Nothing holds a file position, so any number of reader threads index the source at once.
 
 Why an index rather than streaming: a map-style source is shuffled exactly over the whole set (not
@@ -32,14 +33,23 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol, TypeVar
 
+from . import _filereads
 from ._checks import check_count
 from ._encoded import IMAGE_EXTENSIONS, Deferred
 from ._remote import cat_file, filesystem, is_url, timed_out
 from .errors import ThreadLoaderError, chained
 
-__all__ = ["SHARD_SUFFIXES", "ShardError", "TarMember", "TarShards", "expand_braces", "is_shard_spec"]
+__all__ = [
+    "SHARD_SUFFIXES",
+    "ShardError",
+    "TarMember",
+    "TarShards",
+    "expand_braces",
+    "is_shard_spec",
+    "read_members",
+]
 
 logger = logging.getLogger("threadloader")
 
@@ -227,6 +237,37 @@ class _LocalStorage:
                 file.readers -= 1
                 self._trim()
 
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview | OSError]:
+        """Each ``(path, offset, size)`` range's bytes (shorter where the shard ends), or its error.
+
+        One call into C for them all (:func:`._filereads.read_ranges`), on the descriptors :meth:`read`
+        uses, each counted in for the call as for a read; a shard that does not open is that range's
+        error. Needs :func:`._filereads.available`.
+        """
+        entered: list[_File | OSError] = []
+        try:
+            for path, _, _ in ranges:
+                try:
+                    entered.append(self._enter(path))
+                except OSError as exc:
+                    entered.append(exc)
+            reads = iter(
+                _filereads.read_ranges(
+                    [
+                        (file.fd, offset, size)
+                        for file, (_, offset, size) in zip(entered, ranges, strict=True)
+                        if isinstance(file, _File)
+                    ]
+                )
+            )
+            return [file if isinstance(file, OSError) else next(reads) for file in entered]
+        finally:
+            with self._lock:
+                for file in entered:
+                    if isinstance(file, _File):
+                        file.readers -= 1
+                self._trim()
+
     def _enter(self, path: str) -> _File:
         """The open file at ``path``, with the calling thread counted among its readers."""
         with self._lock:
@@ -320,6 +361,9 @@ class _FsspecStorage:
         return cat_file(self._fs(), path, self._url, start=offset, end=offset + size)
 
 
+_Data = TypeVar("_Data", bytes, memoryview)
+
+
 class TarMember(Deferred):
     """One image member of a shard: where its bytes are; :meth:`read` is one positioned read.
 
@@ -351,7 +395,10 @@ class TarMember(Deferred):
             ShardError: If the shard ends before the member does (a truncated shard), or the storage
                 returned more than the range asked for.
         """
-        data = self._storage.read(self._path, self.offset, self.size)
+        return self._checked(self._storage.read(self._path, self.offset, self.size))
+
+    def _checked(self, data: _Data) -> _Data:
+        """``data``, checked to be the member's size: else raises the :class:`ShardError` that says why."""
         if len(data) > self.size:  # fsspec's HTTP returns the whole file from a server that ignores Range
             raise ShardError(
                 f"{self.origin}: asked for bytes {self.offset}-{self.offset + self.size}, got "
@@ -370,6 +417,33 @@ class TarMember(Deferred):
 
     def __repr__(self) -> str:
         return f"TarMember({self.origin!r}, offset={self.offset}, size={self.size})"
+
+
+def read_members(members: Sequence[TarMember]) -> list[bytes | memoryview | Exception | None]:
+    """The members on local storage, each storage's read in one call into C (where it was built).
+
+    A training loop beside the readers then meets one hand-off of the GIL for them all, where each
+    member's ``os.pread`` makes one.
+
+    Returns:
+        Per member, in order: its bytes, the exception its :meth:`TarMember.read` would have raised, or
+        ``None`` where it is to be read with :meth:`TarMember.read` (through fsspec, or without the C).
+    """
+    results: list[bytes | memoryview | Exception | None] = [None] * len(members)
+    if not _filereads.available():
+        return results
+    local: dict[int, tuple[_LocalStorage, list[int]]] = {}
+    for position, member in enumerate(members):
+        if isinstance(member._storage, _LocalStorage):
+            local.setdefault(id(member._storage), (member._storage, []))[1].append(position)
+    for storage, positions in local.values():
+        ranges = [(members[at]._path, members[at].offset, members[at].size) for at in positions]
+        for position, data in zip(positions, storage.read_many(ranges), strict=True):
+            try:
+                results[position] = data if isinstance(data, OSError) else members[position]._checked(data)
+            except ShardError as exc:
+                results[position] = exc
+    return results
 
 
 @dataclass
