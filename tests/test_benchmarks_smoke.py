@@ -182,12 +182,14 @@ def test_a_failed_fixed_input_row_gives_no_ratio() -> None:
     assert ratio(loader, [failed, ok, loader]) == 2350.0 / 2500.0
 
 
-def test_file_reads_reports_what_each_way_of_reading_costs_the_main_thread(tmp_path: Path) -> None:
-    args = ["--files", "128", "--rounds", "1", "--seconds", "0.2", "--rate", "2000"]
+@pytest.mark.parametrize("tar", [False, True])
+def test_file_reads_reports_what_each_way_of_reading_costs_the_main_thread(tmp_path: Path, tar: bool) -> None:
+    args = ["--files", "128", "--rounds", "1", "--seconds", "0.2", "--rate", "2000"] + ["--tar"] * tar
     result = run_benchmark("benchmarks.tools.file_reads", args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "round 1: alone" in result.stdout and "python: " in result.stdout and "c: " in result.stdout
-    assert "Python's reads" in result.stdout.splitlines()[-1], result.stdout
+    last = result.stdout.splitlines()[-1]
+    assert "Python's reads" in last and ("per tar member" if tar else "per file") in last, result.stdout
 
 
 def test_memory_census_says_it_needs_a_gpu(tmp_path: Path) -> None:

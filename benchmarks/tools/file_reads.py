@@ -1,6 +1,7 @@
 """What a main thread loses per file the readers read: Python's reads against the batch's reads in C.
 
-Usage: ``python -m benchmarks.tools.file_reads [--files 1024] [--rate 5000] [--rounds 3] [--seconds 2]``.
+Usage: ``python -m benchmarks.tools.file_reads [--files 1024] [--rate 5000] [--rounds 3] [--seconds 2]
+[--tar]``.
 
 Two reader threads call the read stage (``threadloader._sources.read_batch``) on groups of 64 files
 from the page cache, paced to ``--rate`` files a second together, as a loader feeding a step would; the
@@ -8,14 +9,18 @@ main thread meanwhile runs small torch ops on the CPU, each letting go of the GI
 step does. Per round, the main thread's ops a second alone, beside Python's reads (the C library
 switched off) and beside the C reads, each for ``--seconds``; the loss per file is the share of the
 main thread's rate lost, over the files read a second. Rounds alternate the two, so that a machine
-whose speed drifts favours neither. The figures are in docs/design.md ("GIL releases per image").
+whose speed drifts favours neither. ``--tar`` writes the files as the members of 4 tar shards and reads
+those (one ``os.pread`` each in Python, 16 to a call in C). The figures are in docs/design.md ("GIL
+releases per image").
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import statistics
+import tarfile
 import tempfile
 import threading
 import time
@@ -23,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from threadloader import SampleError, _filereads
+from threadloader import SampleError, TarShards, _filereads
+from threadloader._encoded import Deferred
 from threadloader._sources import Fetched, read_batch
 
 GROUP = 64
@@ -41,7 +47,7 @@ def main_thread_rate(seconds: float) -> float:
     return done / (time.perf_counter() - start)
 
 
-def beside_readers(paths: list[str], rate: float, seconds: float) -> tuple[float, float]:
+def beside_readers(paths: list[str] | list[Deferred], rate: float, seconds: float) -> tuple[float, float]:
     """The main thread's ops a second beside paced readers, and the files they read a second."""
     stop = threading.Event()
     counts = [0] * READERS
@@ -77,6 +83,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=5000.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--tar", action="store_true", help="the files as members of 4 tar shards")
     args = parser.parse_args()
     if not _filereads.available():
         raise SystemExit("the C library (threadloader/_reads.c) is not built: bash .ci/build-alloc")
@@ -84,11 +91,32 @@ def main() -> None:
     library = _filereads._loaded[0]
     losses: dict[str, list[float]] = {"python": [], "c": []}
     with tempfile.TemporaryDirectory() as root:
-        paths = []
-        for i in range(args.files):
-            paths.append(os.path.join(root, f"{i}.jpg"))
-            with open(paths[-1], "wb") as file:
-                file.write(os.urandom(40_000 + (i * 7919) % 160_000))  # 40-200 kB, like photos
+        blobs = [
+            os.urandom(40_000 + (i * 7919) % 160_000) for i in range(args.files)
+        ]  # 40-200 kB, like photos
+        paths: list[str] | list[Deferred] = []
+        if args.tar:
+            shards = [os.path.join(root, f"{s:06d}.tar") for s in range(4)]
+            for s, shard in enumerate(shards):
+                with tarfile.open(shard, "w") as archive:
+                    for i in range(s, args.files, len(shards)):
+                        info = tarfile.TarInfo(f"{i:06d}.jpg")
+                        info.size = len(blobs[i])
+                        archive.addfile(info, io.BytesIO(blobs[i]))
+            source = TarShards(shards)
+            paths = [source[i] for i in range(len(source))]  # type: ignore[misc,assignment]
+        else:
+            for i, blob in enumerate(blobs):
+                paths.append(os.path.join(root, f"{i}.jpg"))  # type: ignore[arg-type]
+                with open(paths[-1], "wb") as file:  # type: ignore[arg-type]
+                    file.write(blob)
+        failed = [
+            blob
+            for blob in read_batch([(i, p, None) for i, p in enumerate(paths)])
+            if isinstance(blob, SampleError)
+        ]
+        if failed:
+            raise SystemExit(f"the files written do not read back: {failed[0]}")
         switch: dict[str, Callable[[], None]] = {
             "python": lambda: _filereads._loaded.__setitem__(0, None),
             "c": lambda: _filereads._loaded.__setitem__(0, library),
@@ -106,7 +134,8 @@ def main() -> None:
         switch["c"]()
     medians = {name: statistics.median(values) for name, values in losses.items()}
     print(
-        f"main thread lost per file, median of {args.rounds} rounds on {os.cpu_count()} cores: "
+        f"main thread lost per {'tar member' if args.tar else 'file'}, median of {args.rounds} rounds on "
+        f"{os.cpu_count()} cores: "
         f"Python's reads {medians['python']:.1f} us, the C reads {medians['c']:.1f} us"
     )
 
