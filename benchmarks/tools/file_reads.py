@@ -110,11 +110,8 @@ def main() -> None:
                 paths.append(os.path.join(root, f"{i}.jpg"))  # type: ignore[arg-type]
                 with open(paths[-1], "wb") as file:  # type: ignore[arg-type]
                     file.write(blob)
-        failed = [
-            blob
-            for blob in read_batch([(i, p, None) for i, p in enumerate(paths)])
-            if isinstance(blob, SampleError)
-        ]
+        everything: list[Fetched | SampleError] = [(i, path, None) for i, path in enumerate(paths)]  # type: ignore[misc]
+        failed = [blob for blob in read_batch(everything) if isinstance(blob, SampleError)]
         if failed:
             raise SystemExit(f"the files written do not read back: {failed[0]}")
         switch: dict[str, Callable[[], None]] = {
