@@ -199,11 +199,18 @@ class _NoLengthHandler(_RangeHandler):
         super().end_headers()
 
 
+class _Server(ThreadingHTTPServer):
+    """Takes a batch's connections at once: with the default backlog of 5, the sixth waited for TCP's
+    retry, a second later."""
+
+    request_queue_size = 64
+
+
 def _serve(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[tuple[Path, str]]:
     """Serves the new folder ``root`` over HTTP while the fixture lasts: ``(root, base URL)``."""
     pytest.importorskip("aiohttp", reason="fsspec's http needs aiohttp: pip install -e '.[remote]'")
     root.mkdir()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
+    server = _Server(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, name="test-http", daemon=True)
     thread.start()
     try:
@@ -246,6 +253,52 @@ def test_http_files_and_a_missing_one(http: tuple[Path, str], blobs: list[bytes]
     with pytest.raises(SampleError) as info:
         list(ThreadLoader([(f"{base}/0.jpg", 0), (f"{base}/nope.jpg", 1)], batch_size=1))
     assert (info.value.index, info.value.stage, info.value.origin) == (1, "read", f"{base}/nope.jpg")
+
+
+def _slow_handler(pause: float) -> type[_RangeHandler]:
+    """A range handler that answers each GET after ``pause`` seconds, counting the GETs in flight."""
+
+    class Slow(_RangeHandler):
+        lock = threading.Lock()
+        in_flight = most = 0
+
+        def do_GET(self) -> None:
+            with Slow.lock:
+                Slow.in_flight += 1
+                Slow.most = max(Slow.most, Slow.in_flight)
+            try:
+                time.sleep(pause)
+                super().do_GET()
+            finally:
+                with Slow.lock:
+                    Slow.in_flight -= 1
+
+    return Slow
+
+
+@pytest.mark.parametrize("shards", [False, True], ids=["files", "shards"])
+def test_one_readers_batch_is_requested_at_once(tmp_path: Path, blobs: list[bytes], shards: bool) -> None:
+    """One reader thread, a batch of 8 URLs (or members of an HTTP shard): all 8 requests are in flight
+    together, so the batch waits about one round trip, not eight; a missing one fails alone."""
+    handler = _slow_handler(0.3)
+    for root, base in _serve(tmp_path / "slow", handler):
+        if shards:
+            write_shard(root / "x.tar", [sample(blobs, i) for i in range(N)])
+            source: object = TarShards(f"{base}/x.tar")
+            expected = list(range(N))
+        else:
+            for i, data in enumerate(blobs[:-1]):
+                (root / f"{i}.jpg").write_bytes(data)
+            source = [(f"{base}/{i}.jpg", i) for i in range(N)]  # the last one is missing
+            expected = list(range(N - 1))
+        handler.most = 0  # after the shard's indexing
+        loader = ThreadLoader(source, batch_size=N, num_threads=1, on_error="skip")
+        started = time.perf_counter()
+        check(loader, blobs, expected)
+        took = time.perf_counter() - started
+        assert handler.most == N, f"{handler.most} requests in flight at most"
+        assert took < N * 0.3, f"{took:.2f} s: the requests were not in flight together"
+        assert loader.stats().skipped == N - len(expected)
 
 
 def test_a_shard_url_with_a_query_is_a_shard(http: tuple[Path, str], blobs: list[bytes]) -> None:

@@ -26,12 +26,21 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from ._cancel import check_cancelled
 
-__all__ = ["cat_file", "filesystem", "is_url", "read_url", "require_fsspec"]
+__all__ = [
+    "cat_file",
+    "cat_files",
+    "concurrent_reads",
+    "filesystem",
+    "is_url",
+    "read_url",
+    "read_urls",
+    "require_fsspec",
+]
 
 #: Seconds between cancellation checks while a reader waits for an asynchronous read.
 _CANCEL_STEP = 0.05
@@ -129,9 +138,80 @@ def cat_file(fs: Any, path: str, url: str, start: int | None = None, end: int | 
         Cancelled: If the reader thread is cancelled while it waits.
         TimeoutError: If the back end's time limit ran out (its message names the option that sets it).
     """
-    if not getattr(fs, "async_impl", False) or getattr(fs, "asynchronous", False):
+    if not concurrent_reads(fs):
         return bytes(fs.cat_file(path, start=start, end=end))
-    future = asyncio.run_coroutine_threadsafe(fs._cat_file(path, start=start, end=end), fs.loop)
+    try:
+        return bytes(_on_loop(fs, fs._cat_file(path, start=start, end=end)))
+    except asyncio.TimeoutError as exc:  # aiohttp's has no message: say what ran out and what sets it
+        raise TimeoutError(timed_out(url)) from exc
+
+
+def concurrent_reads(fs: Any) -> bool:
+    """Whether ``fs`` reads on an event loop of its own (HTTP, S3, GCS), where reads can overlap."""
+    return bool(getattr(fs, "async_impl", False)) and not getattr(fs, "asynchronous", False)
+
+
+def cat_files(fs: Any, reads: Sequence[tuple[str, str, int | None, int | None]]) -> list[bytes | Exception]:
+    """Each ``(path, url, start, end)``'s bytes, read at once on ``fs``'s event loop, or its error.
+
+    Why: one reader thread waits for a batch's requests together, so a batch costs a round trip or
+    so, not one per sample; a reader thread per request in flight would cost a CUDA stream and its
+    cached memory each. ``fs`` must read concurrently (:func:`concurrent_reads`). A sample's error is
+    its own, as :func:`cat_file` raises it.
+
+    Raises:
+        Cancelled: If the calling reader thread is cancelled while it waits (every read is cancelled).
+    """
+
+    async def read_all() -> list[Any]:
+        return await asyncio.gather(
+            *(fs._cat_file(path, start=start, end=end) for path, _, start, end in reads),
+            return_exceptions=True,
+        )
+
+    results: list[bytes | Exception] = []
+    for (_, url, _, _), result in zip(reads, _on_loop(fs, read_all()), strict=True):
+        if isinstance(result, asyncio.TimeoutError):
+            error = TimeoutError(timed_out(url))
+            error.__cause__ = result
+            results.append(error)
+        elif isinstance(result, BaseException):
+            if not isinstance(result, Exception):  # a cancellation of the loop's own: not the sample's
+                raise result
+            results.append(result)
+        else:
+            results.append(bytes(result))
+    return results
+
+
+def read_urls(urls: Sequence[str]) -> list[bytes | Exception | None]:
+    """The files at ``urls`` on file systems that read concurrently, each one's at once (:func:`cat_files`).
+
+    Returns:
+        Per URL, in order: its bytes, its read's error, or ``None`` where it is to be read alone with
+        :func:`read_url` (a file system that does not read concurrently, or one that does not resolve:
+        that read says why).
+    """
+    results: list[bytes | Exception | None] = [None] * len(urls)
+    groups: dict[int, tuple[Any, list[int], list[tuple[str, str, int | None, int | None]]]] = {}
+    for position, url in enumerate(urls):
+        try:
+            fs, path = filesystem(url)
+        except Exception:  # ImportError, an unknown protocol: read alone, which raises or reports it
+            continue
+        if concurrent_reads(fs):
+            _, positions, reads = groups.setdefault(id(fs), (fs, [], []))
+            positions.append(position)
+            reads.append((path, url, None, None))
+    for fs, positions, reads in groups.values():
+        for position, result in zip(positions, cat_files(fs, reads), strict=True):
+            results[position] = result
+    return results
+
+
+def _on_loop(fs: Any, coroutine: Any) -> Any:
+    """What ``coroutine`` returns, run on ``fs``'s event loop, waited for in steps that check cancellation."""
+    future = asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
     try:
         while not future.done():
             concurrent.futures.wait([future], timeout=_CANCEL_STEP)
@@ -139,10 +219,7 @@ def cat_file(fs: Any, path: str, url: str, start: int | None = None, end: int | 
     except BaseException:  # Cancelled, or a KeyboardInterrupt in a caller's own thread
         future.cancel()
         raise
-    try:
-        return bytes(future.result())
-    except asyncio.TimeoutError as exc:  # aiohttp's has no message: say what ran out and what sets it
-        raise TimeoutError(timed_out(url)) from exc
+    return future.result()
 
 
 def timed_out(url: str) -> str:

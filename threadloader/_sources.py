@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset
 from . import _filereads
 from ._cancel import check_cancelled
 from ._encoded import IMAGE_EXTENSIONS, Deferred
-from ._remote import is_url, read_url, require_fsspec
+from ._remote import is_url, read_url, read_urls, require_fsspec
 from ._tar import TarMember, TarShards, is_shard_spec, read_members
 from .errors import SampleError, detached
 
@@ -368,7 +368,7 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]
     Raises:
         ImportError: If a sample is a URL and fsspec is not installed (a set-up error, not the sample's).
     """
-    together = _read_together(fetched) if _filereads.available() else {}
+    together = _read_together(fetched)
     blobs: list[Blob | SampleError] = []
     for position, sample in enumerate(fetched):
         if isinstance(sample, SampleError):
@@ -390,24 +390,37 @@ def read_batch(fetched: list[Fetched | SampleError]) -> list[Blob | SampleError]
 
 
 def _read_together(fetched: list[Fetched | SampleError]) -> dict[int, Blob | SampleError]:
-    """The batch's files and local tar members, a few at a time in C (:mod:`._filereads`), by position.
+    """The batch's reads done together, by position: files and tar members in C, a few a call.
 
-    Those left to Python (:data:`._filereads.RETRY`, members behind fsspec) are not in it: the sample's
-    own read takes them.
+    URLs and tar members on file systems that read concurrently are requested all at once. Those left
+    to each sample's own read (:data:`._filereads.RETRY`, file systems that read one request at a
+    time) are not in it.
     """
     files: list[int] = []
     members: list[int] = []
+    urls: list[int] = []
     for position, sample in enumerate(fetched):
         if not isinstance(sample, SampleError):
-            if _kind(type(sample[1])) == _PATH:
+            kind = type(sample[1])
+            if _kind(kind) == _PATH:
                 files.append(position)
-            elif type(sample[1]) is TarMember:
+            elif kind is TarMember:
                 members.append(position)
+            elif kind is RemoteFile:
+                urls.append(position)
     read: dict[int, Blob | SampleError] = {}
-    for positions, read_some in ((files, _read_files), (members, _read_members)):
-        for first in range(0, len(positions), _FILES_PER_CALL):
-            check_cancelled()  # between calls: on slow storage a call's reads take a while
-            read_some(fetched, positions[first : first + _FILES_PER_CALL], read)
+    if _filereads.available():
+        for first in range(0, len(files), _FILES_PER_CALL):
+            check_cancelled()  # between calls: on slow storage a call's files take a while
+            _read_files(fetched, files[first : first + _FILES_PER_CALL], read)
+    samples: list[Fetched] = [fetched[position] for position in members + urls]  # type: ignore[misc]
+    outcomes = read_members([data for _, data, _ in samples[: len(members)]], per_call=_FILES_PER_CALL)  # type: ignore[misc]
+    outcomes += read_urls([data.url for _, data, _ in samples[len(members) :]])  # type: ignore[union-attr]
+    for position, (index, data, _), outcome in zip(members + urls, samples, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            read[position] = _error(outcome, index, data.origin, "read")  # type: ignore[union-attr]
+        elif outcome is not None:
+            read[position] = outcome
     return read
 
 
@@ -423,18 +436,6 @@ def _read_files(
         elif isinstance(outcome, _filereads.NotRegular):
             read[position] = _not_regular(index, path, outcome.mode)
         elif outcome is not _filereads.RETRY:
-            read[position] = outcome
-
-
-def _read_members(
-    fetched: list[Fetched | SampleError], chunk: list[int], read: dict[int, Blob | SampleError]
-) -> None:
-    """Reads the tar members at the positions of ``chunk`` into ``read`` (those behind fsspec left out)."""
-    members: list[TarMember] = [fetched[position][1] for position in chunk]  # type: ignore[index,misc]
-    for position, member, outcome in zip(chunk, members, read_members(members), strict=True):
-        if isinstance(outcome, Exception):
-            read[position] = _error(outcome, fetched[position][0], member.origin, "read")  # type: ignore[index]
-        elif outcome is not None:
             read[position] = outcome
 
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol, TypeVar
 
 from . import _filereads
+from ._cancel import check_cancelled
 from ._checks import check_count
 from ._encoded import IMAGE_EXTENSIONS, Deferred
-from ._remote import cat_file, filesystem, is_url, timed_out
+from ._remote import cat_file, cat_files, concurrent_reads, filesystem, is_url, timed_out
 from .errors import ThreadLoaderError, chained
 
 __all__ = [
@@ -237,7 +238,7 @@ class _LocalStorage:
                 file.readers -= 1
                 self._trim()
 
-    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview | OSError]:
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview | OSError] | None:
         """Each ``(path, offset, size)`` range's bytes (shorter where the shard ends), or its error.
 
         One call into C for them all (:func:`._filereads.read_ranges`), on the descriptors :meth:`read`
@@ -360,8 +361,18 @@ class _FsspecStorage:
     def read(self, path: str, offset: int, size: int) -> bytes:
         return cat_file(self._fs(), path, self._url, start=offset, end=offset + size)
 
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | Exception] | None:
+        """Each ``(path, offset, size)`` range's bytes or its error, requested at once (:func:`cat_files`).
 
-_Data = TypeVar("_Data", bytes, memoryview)
+        ``None`` where the file system reads one request at a time.
+        """
+        fs = self._fs()
+        if not concurrent_reads(fs):
+            return None
+        return cat_files(fs, [(path, self._url, offset, offset + size) for path, offset, size in ranges])
+
+
+_Data = TypeVar("_Data", bound=bytes | memoryview)
 
 
 class TarMember(Deferred):
@@ -419,30 +430,44 @@ class TarMember(Deferred):
         return f"TarMember({self.origin!r}, offset={self.offset}, size={self.size})"
 
 
-def read_members(members: Sequence[TarMember]) -> list[bytes | memoryview | Exception | None]:
-    """The members on local storage, each storage's read in one call into C (where it was built).
+def read_members(
+    members: Sequence[TarMember], *, per_call: int
+) -> list[bytes | memoryview | Exception | None]:
+    """Reads members together: on local storage ``per_call`` to a call into C, remote ones at once.
 
-    A training loop beside the readers then meets one hand-off of the GIL for them all, where each
-    member's ``os.pread`` makes one.
+    Remote: on storage that reads concurrently (HTTP, S3, GCS), each storage's members in one wait.
+    A training loop beside the readers then meets one hand-off of the GIL per call, where each local
+    member's ``os.pread`` makes one; a remote batch costs about one round trip, not one a member.
+    Stops between calls when the reader thread is cancelled.
 
     Returns:
         Per member, in order: its bytes, the exception its :meth:`TarMember.read` would have raised, or
-        ``None`` where it is to be read with :meth:`TarMember.read` (through fsspec, or without the C).
+        ``None`` where it is to be read with :meth:`TarMember.read` (without the C, or through an fsspec
+        file system that reads one request at a time).
     """
     results: list[bytes | memoryview | Exception | None] = [None] * len(members)
-    if not _filereads.available():
-        return results
-    local: dict[int, tuple[_LocalStorage, list[int]]] = {}
+    storages: dict[int, tuple[_LocalStorage | _FsspecStorage, list[int]]] = {}
     for position, member in enumerate(members):
-        if isinstance(member._storage, _LocalStorage):
-            local.setdefault(id(member._storage), (member._storage, []))[1].append(position)
-    for storage, positions in local.values():
-        ranges = [(members[at]._path, members[at].offset, members[at].size) for at in positions]
-        for position, data in zip(positions, storage.read_many(ranges), strict=True):
-            try:
-                results[position] = data if isinstance(data, OSError) else members[position]._checked(data)
-            except ShardError as exc:
-                results[position] = exc
+        storage = member._storage
+        if isinstance(storage, _FsspecStorage) or (
+            isinstance(storage, _LocalStorage) and _filereads.available()
+        ):
+            storages.setdefault(id(storage), (storage, []))[1].append(position)
+    for storage, positions in storages.values():
+        step = per_call if isinstance(storage, _LocalStorage) else len(positions)
+        for first in range(0, len(positions), step):
+            check_cancelled()  # between calls: on slow storage a call's reads take a while
+            chunk = positions[first : first + step]
+            reads = storage.read_many(
+                [(members[at]._path, members[at].offset, members[at].size) for at in chunk]
+            )
+            for position, data in zip(chunk, reads or [None] * len(chunk), strict=True):
+                try:
+                    if isinstance(data, bytes | memoryview):
+                        data = members[position]._checked(data)
+                except ShardError as exc:
+                    data = exc
+                results[position] = data
     return results
 
 
