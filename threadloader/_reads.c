@@ -16,6 +16,31 @@
 #include <unistd.h>
 
 /*
+ * Reads up to want bytes of fd into buf, from offset, or from its position where offset is negative
+ * (read, not pread: files such as /proc's that state no size may not take pread), going on after
+ * short reads until the file ends: the bytes read. *err is set to a read's errno, where one fails.
+ */
+static long long read_at(int fd, unsigned char *buf, long long want, long long offset, int *err) {
+    long long have = 0;
+    while (have < want) {
+        ssize_t step = offset < 0 ? read(fd, buf + have, (size_t)(want - have))
+                                  : pread(fd, buf + have, (size_t)(want - have), (off_t)(offset + have));
+        if (step < 0 && errno == EINTR) {
+            continue;
+        }
+        if (step < 0) {
+            *err = errno;
+            break;
+        }
+        if (step == 0) {
+            break;
+        }
+        have += step;
+    }
+    return have;
+}
+
+/*
  * Opens each of the n paths with flags (and O_CLOEXEC) and reads its status.
  *
  * Per path: fds[i] the open descriptor, or -1 where opening or its fstat failed (errs[i] the errno);
@@ -64,22 +89,7 @@ void tl_read_files(int n, int *fds, const long long *sizes, unsigned char *buf, 
             continue;
         }
         if (sizes[i] >= 0) {
-            long long want = sizes[i] + 1, have = 0;
-            while (have < want) {
-                ssize_t step = read(fds[i], buf + offsets[i] + have, (size_t)(want - have));
-                if (step < 0 && errno == EINTR) {
-                    continue;
-                }
-                if (step < 0) {
-                    errs[i] = errno;
-                    break;
-                }
-                if (step == 0) {
-                    break;
-                }
-                have += step;
-            }
-            got[i] = have;
+            got[i] = read_at(fds[i], buf + offsets[i], sizes[i] + 1, -1, &errs[i]);
         }
         close(fds[i]);
         fds[i] = -1;
@@ -104,22 +114,7 @@ void tl_close_files(int n, int *fds) {
 void tl_read_ranges(int n, const int *fds, const long long *offsets, const long long *sizes, unsigned char *buf,
                     const long long *at, long long *got, int *errs) {
     for (int i = 0; i < n; i++) {
-        long long have = 0;
         errs[i] = 0;
-        while (have < sizes[i]) {
-            ssize_t step = pread(fds[i], buf + at[i] + have, (size_t)(sizes[i] - have), (off_t)(offsets[i] + have));
-            if (step < 0 && errno == EINTR) {
-                continue;
-            }
-            if (step < 0) {
-                errs[i] = errno;
-                break;
-            }
-            if (step == 0) {
-                break;
-            }
-            have += step;
-        }
-        got[i] = have;
+        got[i] = read_at(fds[i], buf + at[i], sizes[i], offsets[i], &errs[i]);
     }
 }
