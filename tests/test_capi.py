@@ -134,7 +134,7 @@ def test_decodes_pillows_pixels_into_padded_rows_and_nowhere_else(cpu_decoder: _
     sizes = [(193, 257), (50, 70), (1, 1), (64, 48), (300, 200)]
     blobs = [encode(photo(h, w, 10 + i), quality=92) for i, (h, w) in enumerate(sizes)]
     blobs[1] = bytearray(blobs[1])  # any buffer, not only bytes
-    # A file's view of its group's read buffer (_filereads), not at the buffer's start.
+    # A writable view of a larger buffer, not at the buffer's start.
     group = bytearray(b"\xff" * 7 + bytes(blobs[3]) + b"\xd8" * 5)
     blobs[3] = memoryview(group)[7 : 7 + len(blobs[3])]
     workspace = _capi.Workspace(INSTANCE)

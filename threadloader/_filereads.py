@@ -4,10 +4,16 @@ Python's read of one file lets go of the GIL four times (``os.open``, ``os.fstat
 ``os.close``), and each time a training loop beside the readers may take it: a hand-off that costs the
 loop a wake-up, per system call. Here the files of a call cost two calls into C, each letting go of the
 GIL once (ctypes does around a call): one opens them all and reads their sizes, the other reads them
-into one buffer and closes them (the read stage gives it a batch's files a few at a time, so that a
-reader told to stop is not held up by a whole batch on slow storage). The buffer is an anonymous
-``mmap``, which Python does not fill with zeros first as it does a ``bytearray``: its pages are
-touched by the reads, with the GIL let go.
+into ``bytes`` objects made at those sizes and closes them (the read stage gives it a batch's files a
+few at a time, so that a reader told to stop is not held up by a whole batch on slow storage).
+
+Each file is a ``bytes`` of its own, made uninitialized by ``PyBytes_FromStringAndSize(NULL, n)`` and
+filled before anything else sees it, as ``os.read`` itself does: the same allocations as Python's
+reads. One buffer for the group, as first written, cost more than the hand-offs saved: a fresh
+anonymous ``mmap`` faulted in every page on the read and unmapped them after (the reads took three
+times Python's, and a training step beside them on a GPU ran slower), and a ``numpy.empty`` of the
+group's size came from freshly mapped memory too when earlier groups were still alive
+(docs/design.md, "GIL releases per image").
 
 A tar shard's members are ranges of files the shard's storage keeps open: :func:`read_ranges` reads a
 group of them in one call, where Python's ``os.pread`` lets go of the GIL once a member.
@@ -20,11 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import mmap
 import os
 import threading
 from collections.abc import Sequence
-from ctypes import POINTER, c_char_p, c_int, c_longlong, c_uint, c_void_p
+from ctypes import POINTER, c_char_p, c_int, c_longlong, c_ssize_t, c_uint, c_void_p, py_object
 from dataclasses import dataclass
 
 __all__ = ["RETRY", "NotRegular", "available", "read_files", "read_ranges"]
@@ -55,18 +60,10 @@ def _library() -> ctypes.CDLL | None:
                 int_p, long_p = POINTER(c_int), POINTER(c_longlong)
                 names, modes = POINTER(c_char_p), POINTER(c_uint)
                 library.tl_open_files.argtypes = [c_int, names, c_int, int_p, long_p, modes, int_p]
-                library.tl_read_files.argtypes = [c_int, int_p, long_p, c_void_p, long_p, long_p, int_p]
+                pointers = POINTER(c_void_p)
+                library.tl_read_files.argtypes = [c_int, int_p, long_p, pointers, long_p, int_p]
                 library.tl_close_files.argtypes = [c_int, int_p]
-                library.tl_read_ranges.argtypes = [
-                    c_int,
-                    int_p,
-                    long_p,
-                    long_p,
-                    c_void_p,
-                    long_p,
-                    long_p,
-                    int_p,
-                ]
+                library.tl_read_ranges.argtypes = [c_int, int_p, long_p, long_p, pointers, long_p, int_p]
                 functions = (library.tl_open_files, library.tl_read_files, library.tl_close_files)
                 for function in (*functions, library.tl_read_ranges):
                     function.restype = None
@@ -81,11 +78,11 @@ def available() -> bool:
 
 def read_files(
     paths: Sequence[str | os.PathLike[str]], flags: int
-) -> list[memoryview | OSError | NotRegular | None]:
+) -> list[bytes | OSError | NotRegular | None]:
     """Reads each path's regular file, opened with ``flags``; needs :func:`available`.
 
     Returns:
-        Per path, in order: its bytes (a view of one buffer shared by the group), the ``OSError`` that
+        Per path, in order: its bytes, the ``OSError`` that
         opening or reading it raised, :class:`NotRegular`, or :data:`RETRY`.
     """
     library = _library()
@@ -99,42 +96,36 @@ def read_files(
         encoded.append(None if name is None or b"\0" in name else name)
     sent = [position for position, name in enumerate(encoded) if name is not None]
     count = len(sent)
-    results: list[memoryview | OSError | NotRegular | None] = [RETRY] * len(paths)
+    results: list[bytes | OSError | NotRegular | None] = [RETRY] * len(paths)
     if not count:
         return results
     names = (c_char_p * count)(*(encoded[position] for position in sent))
     fds, sizes, modes, errs = (c_int * count)(), (c_longlong * count)(), (c_uint * count)(), (c_int * count)()
     library.tl_open_files(count, names, flags, fds, sizes, modes, errs)
     try:
-        offsets, got = (c_longlong * count)(), (c_longlong * count)()
-        total = 0
-        for slot in range(count):
-            offsets[slot] = total
-            total += sizes[slot] + 1 if sizes[slot] >= 0 else 0
-        buffer = mmap.mmap(-1, max(total, 1))
-        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-        library.tl_read_files(count, fds, sizes, address, offsets, got, errs)
+        blobs = [_new_bytes(None, max(sizes[slot], 0)) for slot in range(count)]
+        got = (c_longlong * count)()
+        library.tl_read_files(count, fds, sizes, _addresses(blobs), got, errs)
     finally:
-        library.tl_close_files(count, fds)  # those not reached, where making the buffer raised
+        library.tl_close_files(count, fds)  # those not reached, where making the bytes raised
     for slot, position in enumerate(sent):
         if errs[slot]:
             results[position] = OSError(errs[slot], os.strerror(errs[slot]), os.fsdecode(paths[position]))
         elif sizes[slot] < 0:
             results[position] = NotRegular(modes[slot])
-        elif got[slot] <= sizes[slot]:  # else it grew past its size, or says 0 (a virtual file): RETRY
-            # A view of its own of the buffer, not a slice of one shared view: on a free-threaded
-            # Python, views sliced from one share a count of exports that threads dropping them at
-            # once can miscount, and the buffer could be freed under the others (CPython gh-127716).
-            results[position] = memoryview(buffer)[offsets[slot] : offsets[slot] + got[slot]]
+        elif got[slot] == sizes[slot]:  # else it grew past its size, or says 0 (a virtual file): RETRY
+            results[position] = blobs[slot]
+        elif got[slot] < sizes[slot]:  # it shrank between the size and the read
+            results[position] = blobs[slot][: got[slot]]
     return results
 
 
-def read_ranges(ranges: Sequence[tuple[int, int, int]]) -> list[memoryview | OSError]:
+def read_ranges(ranges: Sequence[tuple[int, int, int]]) -> list[bytes | OSError]:
     """Reads each ``(fd, offset, size)`` range of an open file; needs :func:`available`.
 
     Returns:
-        Per range, in order: its bytes (a view of one buffer shared by the group; shorter than ``size``
-        only where the file ends first), or the ``OSError`` its read raised, as ``os.pread`` would.
+        Per range, in order: its bytes (shorter than ``size`` only where the file ends first), or the
+        ``OSError`` its read raised, as ``os.pread`` would.
     """
     library = _library()
     assert library is not None, "read_ranges needs the C library: check available() first"
@@ -142,19 +133,29 @@ def read_ranges(ranges: Sequence[tuple[int, int, int]]) -> list[memoryview | OSE
     if not count:
         return []
     fds, offsets, sizes = (c_int * count)(), (c_longlong * count)(), (c_longlong * count)()
-    at, got, errs = (c_longlong * count)(), (c_longlong * count)(), (c_int * count)()
-    total = 0
+    got, errs = (c_longlong * count)(), (c_int * count)()
     for slot, (fd, offset, size) in enumerate(ranges):
-        fds[slot], offsets[slot], sizes[slot], at[slot] = fd, offset, size, total
-        total += size
-    buffer = mmap.mmap(-1, max(total, 1))
-    library.tl_read_ranges(
-        count, fds, offsets, sizes, ctypes.addressof(ctypes.c_char.from_buffer(buffer)), at, got, errs
-    )
+        fds[slot], offsets[slot], sizes[slot] = fd, offset, size
+    blobs = [_new_bytes(None, size) for _, _, size in ranges]
+    library.tl_read_ranges(count, fds, offsets, sizes, _addresses(blobs), got, errs)
     return [
         OSError(errs[slot], os.strerror(errs[slot]))
         if errs[slot]
-        # A view of its own of the buffer, as read_files' (CPython gh-127716).
-        else memoryview(buffer)[at[slot] : at[slot] + got[slot]]
+        else blobs[slot]
+        if got[slot] == sizes[slot]
+        else blobs[slot][: got[slot]]
         for slot in range(count)
     ]
+
+
+#: CPython's own constructor of an uninitialized ``bytes`` (``os.read`` fills one so), and the address
+#: of a ``bytes`` object's contents; called with the GIL held.
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes, _new_bytes.restype = [c_char_p, c_ssize_t], py_object
+_contents = ctypes.pythonapi.PyBytes_AsString
+_contents.argtypes, _contents.restype = [py_object], c_void_p
+
+
+def _addresses(blobs: list[bytes]) -> ctypes.Array[c_void_p]:
+    """Where each ``bytes`` of ``blobs`` keeps its contents, for C to fill them before anyone reads them."""
+    return (c_void_p * len(blobs))(*(_contents(blob) for blob in blobs))

@@ -5,8 +5,9 @@
  * times, and each time a training loop beside the readers may take it, and the reader must wait to
  * win it back: a hand-off per system call. Through ctypes, which lets go of the GIL once per call,
  * a whole group of files costs two: one call opens them all and reads their sizes, so that Python
- * can make one buffer for them, the other reads them into it and closes them. A tar shard's members,
- * ranges of files already open, cost one (tl_read_ranges) where Python's pread costs one each.
+ * can make a bytes object of each size, the other reads them into those and closes them. A tar
+ * shard's members, ranges of files already open, cost one (tl_read_ranges) where Python's pread costs
+ * one each.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -77,19 +78,23 @@ void tl_open_files(int n, const char *const *paths, int flags, int *fds, long lo
 }
 
 /*
- * Reads each regular file (sizes[i] >= 0) into buf at offsets[i], up to sizes[i] + 1 bytes: a read
- * that fills them says the file grew past its stated size. got[i] is the bytes read; errs[i] a read's
- * errno, else 0. Closes every descriptor, read or not, and sets it to -1.
+ * Reads each regular file (sizes[i] >= 0) into bufs[i], sizes[i] bytes, then tries one byte more: a
+ * file that has it grew past its stated size. got[i] is the bytes read, sizes[i] + 1 for such a file;
+ * errs[i] a read's errno, else 0. Closes every descriptor, read or not, and sets it to -1.
  */
-void tl_read_files(int n, int *fds, const long long *sizes, unsigned char *buf, const long long *offsets,
-                   long long *got, int *errs) {
+void tl_read_files(int n, int *fds, const long long *sizes, unsigned char *const *bufs, long long *got,
+                   int *errs) {
     for (int i = 0; i < n; i++) {
         got[i] = 0;
         if (fds[i] < 0) {
             continue;
         }
         if (sizes[i] >= 0) {
-            got[i] = read_at(fds[i], buf + offsets[i], sizes[i] + 1, -1, &errs[i]);
+            unsigned char more;
+            got[i] = read_at(fds[i], bufs[i], sizes[i], -1, &errs[i]);
+            if (got[i] == sizes[i] && !errs[i]) {
+                got[i] += read_at(fds[i], &more, 1, -1, &errs[i]);
+            }
         }
         close(fds[i]);
         fds[i] = -1;
@@ -107,14 +112,14 @@ void tl_close_files(int n, int *fds) {
 }
 
 /*
- * Reads n byte ranges of open files into buf: range i is sizes[i] bytes of fds[i] from offsets[i],
- * put at buf + at[i]. got[i] is the bytes read, fewer only where the file ends first; errs[i] a
- * read's errno, else 0. The descriptors stay open: they are the caller's.
+ * Reads n byte ranges of open files: range i is sizes[i] bytes of fds[i] from offsets[i], into bufs[i].
+ * got[i] is the bytes read, fewer only where the file ends first; errs[i] a read's errno, else 0. The
+ * descriptors stay open: they are the caller's.
  */
-void tl_read_ranges(int n, const int *fds, const long long *offsets, const long long *sizes, unsigned char *buf,
-                    const long long *at, long long *got, int *errs) {
+void tl_read_ranges(int n, const int *fds, const long long *offsets, const long long *sizes,
+                    unsigned char *const *bufs, long long *got, int *errs) {
     for (int i = 0; i < n; i++) {
         errs[i] = 0;
-        got[i] = read_at(fds[i], buf + at[i], sizes[i], offsets[i], &errs[i]);
+        got[i] = read_at(fds[i], bufs[i], sizes[i], offsets[i], &errs[i]);
     }
 }

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal, Protocol, TypeVar
+from typing import IO, Any, Literal, Protocol
 
 from . import _filereads
 from ._cancel import check_cancelled
@@ -238,7 +238,7 @@ class _LocalStorage:
                 file.readers -= 1
                 self._trim()
 
-    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview | OSError] | None:
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | OSError] | None:
         """Each ``(path, offset, size)`` range's bytes (shorter where the shard ends), or its error.
 
         One call into C for them all (:func:`._filereads.read_ranges`), on the descriptors :meth:`read`
@@ -372,9 +372,6 @@ class _FsspecStorage:
         return cat_files(fs, [(path, self._url, offset, offset + size) for path, offset, size in ranges])
 
 
-_Data = TypeVar("_Data", bound=bytes | memoryview)
-
-
 class TarMember(Deferred):
     """One image member of a shard: where its bytes are; :meth:`read` is one positioned read.
 
@@ -408,7 +405,7 @@ class TarMember(Deferred):
         """
         return self._checked(self._storage.read(self._path, self.offset, self.size))
 
-    def _checked(self, data: _Data) -> _Data:
+    def _checked(self, data: bytes) -> bytes:
         """``data``, checked to be the member's size: else raises the :class:`ShardError` that says why."""
         if len(data) > self.size:  # fsspec's HTTP returns the whole file from a server that ignores Range
             raise ShardError(
@@ -430,9 +427,7 @@ class TarMember(Deferred):
         return f"TarMember({self.origin!r}, offset={self.offset}, size={self.size})"
 
 
-def read_members(
-    members: Sequence[TarMember], *, per_call: int
-) -> list[bytes | memoryview | Exception | None]:
+def read_members(members: Sequence[TarMember], *, per_call: int) -> list[bytes | Exception | None]:
     """Reads members together: on local storage ``per_call`` to a call into C, remote ones at once.
 
     Remote: on storage that reads concurrently (HTTP, S3, GCS), each storage's members in one wait.
@@ -445,7 +440,7 @@ def read_members(
         ``None`` where it is to be read with :meth:`TarMember.read` (without the C, or through an fsspec
         file system that reads one request at a time).
     """
-    results: list[bytes | memoryview | Exception | None] = [None] * len(members)
+    results: list[bytes | Exception | None] = [None] * len(members)
     storages: dict[int, tuple[_LocalStorage | _FsspecStorage, list[int]]] = {}
     for position, member in enumerate(members):
         storage = member._storage
@@ -463,7 +458,7 @@ def read_members(
             )
             for position, data in zip(chunk, reads or [None] * len(chunk), strict=True):
                 try:
-                    if isinstance(data, bytes | memoryview):
+                    if isinstance(data, bytes):
                         data = members[position]._checked(data)
                 except ShardError as exc:
                     data = exc

@@ -533,8 +533,8 @@ class Workspace:
             pointer: Any = item  # ctypes passes a pointer to the bytes themselves
             size = len(item)
         elif isinstance(item, memoryview) and not item.readonly and item.c_contiguous and item.nbytes:
-            # A file's view of its group's read buffer (_filereads): its address, without the few
-            # microseconds numpy's wrapper takes under the GIL.
+            # A writable view (a sample's memoryview of a larger buffer): its address, without the
+            # few microseconds numpy's wrapper takes under the GIL.
             pointer, size = ctypes.addressof(ctypes.c_char.from_buffer(item)), item.nbytes
         else:  # a bytearray, another memoryview: its address
             item = np.frombuffer(item, dtype=np.uint8)
