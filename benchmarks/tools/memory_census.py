@@ -22,6 +22,7 @@ import io
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -48,12 +49,14 @@ def _jpegs(count: int) -> list[tuple[bytes, int]]:
 def live_cuda_tensors() -> collections.Counter[int]:
     """The CUDA tensors the garbage collector sees, counted by their storage's bytes."""
     sizes: collections.Counter[int] = collections.Counter()
-    for thing in gc.get_objects():
-        try:
-            if isinstance(thing, torch.Tensor) and thing.is_cuda:
-                sizes[thing.untyped_storage().nbytes()] += 1
-        except Exception:  # an object half torn down by another thread: not counted
-            continue
+    with warnings.catch_warnings():  # isinstance() of a deprecated torch object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for thing in gc.get_objects():
+            try:
+                if isinstance(thing, torch.Tensor) and thing.is_cuda:
+                    sizes[thing.untyped_storage().nbytes()] += 1
+            except Exception:  # an object half torn down by another thread: not counted
+                continue
     return sizes
 
 
