@@ -11,9 +11,8 @@ Each file is a ``bytes`` of its own, made uninitialized by ``PyBytes_FromStringA
 filled before anything else sees it, as ``os.read`` itself does: the same allocations as Python's
 reads. One buffer for the group, as first written, cost more than the hand-offs saved: a fresh
 anonymous ``mmap`` faulted in every page on the read and unmapped them after (the reads took three
-times Python's, and a training step beside them on a GPU ran slower), and a ``numpy.empty`` of the
-group's size came from freshly mapped memory too when earlier groups were still alive
-(docs/design.md, "GIL releases per image").
+times Python's, and a training step beside them on a GPU ran slower: docs/design.md, "GIL releases
+per image"). A file of size 0 gets Python's one empty ``bytes``, which nothing writes into.
 
 A tar shard's members are ranges of files the shard's storage keeps open: :func:`read_ranges` reads a
 group of them in one call, where Python's ``os.pread`` lets go of the GIL once a member.
@@ -82,8 +81,8 @@ def read_files(
     """Reads each path's regular file, opened with ``flags``; needs :func:`available`.
 
     Returns:
-        Per path, in order: its bytes, the ``OSError`` that
-        opening or reading it raised, :class:`NotRegular`, or :data:`RETRY`.
+        Per path, in order: its bytes, the ``OSError`` that opening or reading it raised,
+        :class:`NotRegular`, or :data:`RETRY`.
     """
     library = _library()
     assert library is not None, "read_files needs the C library: check available() first"

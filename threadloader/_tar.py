@@ -4,7 +4,8 @@ A shard (``000000.tar``) holds samples as members that share a key: ``key.jpg`` 
 ``key.txt`` or ``key.json``. Each shard is walked once with :mod:`tarfile` when the source is built,
 recording every image member's offset and size and reading the (small) target members; after that a
 sample is one positioned read (``os.pread`` on a local file, a ranged ``cat_file`` through fsspec); a
-batch's local members, a few calls into C (:func:`read_members`).
+batch's members are read together (:func:`read_members`: a few calls into C, or one wait for all of
+its remote requests).
 Nothing holds a file position, so any number of reader threads index the source at once.
 
 Why an index rather than streaming: a map-style source is shuffled exactly over the whole set (not
@@ -238,7 +239,7 @@ class _LocalStorage:
                 file.readers -= 1
                 self._trim()
 
-    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | OSError] | None:
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | OSError]:
         """Each ``(path, offset, size)`` range's bytes (shorter where the shard ends), or its error.
 
         One call into C for them all (:func:`._filereads.read_ranges`), on the descriptors :meth:`read`
