@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-import threadloader._tar
+import threadloader._shardfiles
 from threadloader import SampleError, ShardError, TarMember, TarShards, ThreadLoader
 from threadloader._tar import expand_braces
 
@@ -732,7 +732,7 @@ def test_a_source_keeps_at_most_max_open_shards(
 ) -> None:
     """Past the bound, the least recently used file that no thread is reading is closed. Between its reads
     a thread sees at most the bound, plus one for each other thread (the file it is reading or opening)."""
-    monkeypatch.setattr(threadloader._tar, "MAX_OPEN_SHARDS", 2)
+    monkeypatch.setattr(threadloader._shardfiles, "MAX_OPEN_SHARDS", 2)
     source = TarShards(pattern(shards))
     paths = [shards / f"{s:06d}.tar" for s in range(SHARDS)]
     order = [s * PER_SHARD + k for k in range(PER_SHARD) for s in (0, 1, 2, 0, 2, 1)]  # shards in turn
@@ -754,7 +754,7 @@ def test_a_source_keeps_at_most_max_open_shards(
 def test_evicted_files_are_never_read_by_mistake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight threads over 16 shards with room for 2 open files: files close and reopen all the time, and a
     descriptor closed under a read (its number reused by another shard) would return another's bytes."""
-    monkeypatch.setattr(threadloader._tar, "MAX_OPEN_SHARDS", 2)
+    monkeypatch.setattr(threadloader._shardfiles, "MAX_OPEN_SHARDS", 2)
     payloads = [os.urandom(3000 + 17 * i) for i in range(64)]
     samples = [(f"k{i}", {"jpg": payload}) for i, payload in enumerate(payloads)]
     paths = [write_shard(tmp_path / f"{s:02d}.tar", samples[4 * s : 4 * s + 4]) for s in range(16)]
