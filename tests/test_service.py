@@ -1205,12 +1205,14 @@ def test_a_second_close_waits_for_the_answers_as_the_first_does() -> None:
 
 
 class OwnedDecoder(ImageDecoder):
-    """A decoder the service builds (and so closes): its first call blocks until ``gate`` opens; it
-    records whether ``close`` ever ran while a call was inside ``decode``."""
+    """A decoder the service builds (and so closes): its first call blocks until ``gate`` opens, later
+    ones while ``later`` is clear; it records whether ``close`` ever ran while a call was inside
+    ``decode``."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate, self.entered, self.later = threading.Event(), threading.Event(), threading.Event()
+        self.later.set()
         self.lock = threading.Lock()
         self.calls = self.running = self.closes = 0
         self.closed_under_a_call = False
@@ -1225,6 +1227,8 @@ class OwnedDecoder(ImageDecoder):
             if first:
                 self.entered.set()
                 assert self.gate.wait(10), "the test never opened the gate"
+            else:
+                assert self.later.wait(10), "the test never let the later calls go"
             return self._inner.decode(encoded, stream=stream, stats=stats)
         finally:
             with self.lock:
@@ -1256,8 +1260,10 @@ def test_close_never_closes_the_decoder_under_a_running_call(
             assert time.monotonic() - started < 5  # close has an exit while the call runs on
         elif how == "done_callback":  # the other worker answers a request whose callback closes
             closed = threading.Event()
+            decoder.later.clear()  # the callback is added before the answer: it runs in the worker
             other = service.submit(encode(photo(8, 8)))
             other.add_done_callback(lambda _: (service.close(), closed.set()))
+            decoder.later.set()
             assert closed.wait(5)
         else:
 
