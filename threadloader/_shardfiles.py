@@ -83,9 +83,7 @@ class LocalStorage:
                 chunks.append(data)
             return b"".join(chunks)
         finally:
-            with self._lock:
-                file.readers -= 1
-                self._trim()
+            self._leave([file])
 
     def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | OSError]:
         """Each ``(path, offset, size)`` range's bytes (shorter where the shard ends), or its error.
@@ -112,11 +110,14 @@ class LocalStorage:
             )
             return [file if isinstance(file, OSError) else next(reads) for file in entered]
         finally:
-            with self._lock:
-                for file in entered:
-                    if isinstance(file, _File):
-                        file.readers -= 1
-                self._trim()
+            self._leave([file for file in entered if isinstance(file, _File)])
+
+    def _leave(self, files: list[_File]) -> None:
+        """Counts the calling thread out of ``files``, once per entry (one per :meth:`_enter`); trims."""
+        with self._lock:
+            for file in files:
+                file.readers -= 1
+            self._trim()
 
     def _enter(self, path: str) -> _File:
         """The open file at ``path``, with the calling thread counted among its readers."""

@@ -531,18 +531,13 @@ class Workspace:
         """Points the code stream at ``position`` to ``item`` and reads its header; the status."""
         if isinstance(item, bytes):
             pointer: Any = item  # ctypes passes a pointer to the bytes themselves
-            size = len(item)
-        elif isinstance(item, memoryview) and not item.readonly and item.c_contiguous and item.nbytes:
-            # A writable view (a sample's memoryview of a larger buffer): its address, without the
-            # few microseconds numpy's wrapper takes under the GIL.
-            pointer, size = ctypes.addressof(ctypes.c_char.from_buffer(item)), item.nbytes
-        else:  # a bytearray, another memoryview: its address
+        else:  # a bytearray, a memoryview: its address
             item = np.frombuffer(item, dtype=np.uint8)
-            pointer, size = item.ctypes.data, len(item)
+            pointer = item.ctypes.data
         self._data[position] = item
         library = self._library
         status = library.CodeStreamCreateFromHostMem(
-            self._instance.handle, self._streams_at + 8 * position, pointer, size, None
+            self._instance.handle, self._streams_at + 8 * position, pointer, len(item), None
         )
         if status == 0:
             status = library.CodeStreamGetImageInfo(
