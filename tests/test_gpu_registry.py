@@ -71,5 +71,9 @@ def test_loaders_of_twenty_settings_built_and_closed_in_turn_keep_device_memory_
     # Bounded: the twentieth close leaves about what the first left (the context, nvImageCodec's
     # instance), not twenty settings' Decoders.
     assert max(after) - after[0] < 150, measured
-    # Closing the last loader returns its Decoders' memory.
-    assert after[-1] < during[-1] - 30, measured
+    # Closing the last loader returns its Decoders' memory: the level falls back to where the close
+    # before it left it. What the loader added is measured, not assumed: under 3.13t it was 16 MiB,
+    # under the 30 MiB this test once took for granted.
+    added = during[-1] - after[-2]
+    assert added > 8, measured  # the last loader's Decoders show in the measure at all
+    assert after[-1] - after[-2] < added / 2, measured
