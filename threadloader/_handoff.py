@@ -11,34 +11,98 @@ Reader streams have the highest priority the device offers: the training loop's 
 and at the default priority the loader's decode and transform kernels queue behind them, so the next
 batch is late. A higher-priority stream's blocks are scheduled first as SMs free up; it does not
 preempt running kernels.
+
+Reader streams are leased from a pool of the process and given back when their loader closes, so the
+next loader's readers run on the same few streams. Torch keeps two things per stream: the caching
+allocator's freed blocks, which only allocations on their own stream reuse, and a cuBLAS workspace
+(32 MiB on Hopper) per cuBLAS handle and stream that ran a matrix product (the resize where Triton is
+missing), kept for the life of the process. Torch hands out its own 32 streams of a priority in turn,
+so each loader built on fresh streams left both behind for the loaders after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ReaderStream", "Ready"]
+__all__ = ["STREAMS", "ReaderStream", "Ready", "StreamPool"]
 
 _HIGH_PRIORITY = True
 """Reader streams at the device's highest priority; benchmarks turn it off to measure what it changes."""
 
 
-class ReaderStream:
-    """A reader thread's dedicated CUDA stream on the loader's device (nothing on the CPU)."""
+def _new_stream(device: torch.device, high_priority: bool) -> torch.cuda.Stream:
+    # (least, greatest): a lower number is a higher priority; torch clamps to what it supports.
+    # A static method; torch's stub declares it on instances.
+    priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0  # type: ignore[call-arg]
+    return torch.cuda.Stream(device, priority=priority)
 
-    def __init__(self, device: torch.device) -> None:
+
+class StreamPool:
+    """CUDA streams lent to one reader at a time, and lent again once given back.
+
+    A lease takes the stream given back last, whose freed blocks are the ones the caching allocator
+    holds; a new stream is made only when every one made is lent.
+
+    Args:
+        new_stream: Makes a stream, called with the device and whether it is to be of high priority.
+    """
+
+    def __init__(self, new_stream: Callable[[torch.device, bool], Any] = _new_stream) -> None:
+        self._new_stream = new_stream
+        self._lock = threading.Lock()
+        self._free: dict[tuple[torch.device, bool], list[Any]] = {}
+
+    def lease(self, device: torch.device, *, high_priority: bool) -> Any:
+        """A stream on ``device`` that no other reader is lent until it is given back."""
+        with self._lock:
+            free = self._free.get((device, high_priority))
+            if free:
+                return free.pop()
+        return self._new_stream(device, high_priority)
+
+    def give_back(self, device: torch.device, stream: Any, *, high_priority: bool) -> None:
+        """Returns a stream from :meth:`lease`: the next lease of its kind gets it."""
+        with self._lock:
+            self._free.setdefault((device, high_priority), []).append(stream)
+
+
+#: The pool every reader of the process leases from.
+STREAMS = StreamPool()
+
+
+class ReaderStream:
+    """A reader thread's dedicated CUDA stream on the loader's device (nothing on the CPU).
+
+    The stream is leased from ``pool`` (default: :data:`STREAMS`) and goes back to it on :meth:`release`.
+    """
+
+    def __init__(self, device: torch.device, *, pool: StreamPool | None = None) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None
+        self._pool: StreamPool | None = None
+        self._high_priority = _HIGH_PRIORITY
+        self._lock = threading.Lock()  # two closes at once give it back once
         if device.type == "cuda":
-            # (least, greatest): a lower number is a higher priority; torch clamps to what it supports.
-            # A static method; torch's stub declares it on instances.
-            priority = torch.cuda.Stream.priority_range()[1] if _HIGH_PRIORITY else 0  # type: ignore[call-arg]
-            self.stream = torch.cuda.Stream(device, priority=priority)
+            self._pool = pool or STREAMS
+            self.stream = self._pool.lease(device, high_priority=self._high_priority)
+
+    def release(self) -> None:
+        """Gives the stream back for a later reader. Idempotent.
+
+        Called once the reader's thread has stopped. Work it queued stays ordered before the next
+        reader's on the stream; a thread still running past its deadline shares the stream, which
+        orders its work with the next reader's rather than beside it.
+        """
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.give_back(self.device, self.stream, high_priority=self._high_priority)
 
     @contextmanager
     def active(self) -> Iterator[torch.cuda.Stream | None]:

@@ -178,6 +178,7 @@ class Runtime:
         for up to :data:`RELEASE_WAIT`.
 
         ``until``: the deadline of the wait for the warm-up's threads (see :meth:`Warmup.close`).
+        Then gives the readers' streams back for later loaders (the owner has stopped its readers).
         """
         warmup = self._warmup
         steps: list[Callable[[], object]] = []
@@ -186,6 +187,7 @@ class Runtime:
         if self._built:  # not under a warm-up call still running past the deadline: its thread closes it
             closing = self._close_decoder if warmup is None else functools.partial(self._hand_over, warmup)
             steps.append(closing)
+        steps.extend(reader.release for reader in self.readers)
         uninterrupted(*steps)  # a Ctrl-C skips none
 
     def _close_decoder(self) -> None:
