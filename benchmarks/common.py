@@ -243,15 +243,18 @@ def take(
     return images, waited
 
 
-def stage_ms(before: Any, after: Any) -> dict[str, float]:
-    """Host ms per batch handed out between two ``ThreadLoader.stats()`` snapshots, per stage."""
+def stage_ms(before: Any, after: Any, *, cpu: bool = False) -> dict[str, float]:
+    """Host ms per batch handed out between two ``ThreadLoader.stats()`` snapshots, per stage.
+
+    ``cpu``: the reader threads' CPU ms instead (``stage_cpu_seconds``); empty for a version of the
+    library without them (an A/B's base).
+    """
     batches = after.batches - before.batches
-    if batches <= 0:
+    name = "stage_cpu_seconds" if cpu else "stage_seconds"
+    if batches <= 0 or not hasattr(after, name):
         return {}
-    return {
-        stage: 1000 * (seconds - before.stage_seconds[stage]) / batches
-        for stage, seconds in after.stage_seconds.items()
-    }
+    was = getattr(before, name)
+    return {stage: 1000 * (seconds - was[stage]) / batches for stage, seconds in getattr(after, name).items()}
 
 
 def _event() -> torch.cuda.Event:

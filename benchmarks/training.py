@@ -99,6 +99,9 @@ class TrainingRow:
     #: ThreadLoader rows: per window, ``loader.stats()``'s host ms per batch handed out, per stage
     #: (summed over the reader threads, so they can add up to more than a step).
     stage_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
+    #: The same windows' CPU ms per batch of the threads in each stage: the rest of a stage's ms
+    #: was waiting (for the GIL beside the step, a lock, the GPU).
+    stage_cpu_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
     #: ThreadLoader rows on the GPU: per window, nvImageCodec's calls to the allocators per step
     #: (``_allocators.Counts``' fields); empty where its Decoders have none.
     allocator_calls_per_step: list[dict[str, float]] = field(default_factory=list)
@@ -269,6 +272,7 @@ def _window(
     process_cpu = common.cpu_seconds() - process_cpu
     if before is not None and after is not None:
         row.stage_ms_per_batch.append(common.stage_ms(before, after))
+        row.stage_cpu_ms_per_batch.append(common.stage_ms(before, after, cpu=True))
         row.started_on_cpu.append(after.started_on_cpu - before.started_on_cpu)
     if allocations is not None and allocated is not None:
         calls = zip(allocated._fields, allocated, allocations, strict=True)

@@ -1544,6 +1544,36 @@ def test_ahead_counts_the_readers_held_back_by_a_slow_consumer() -> None:
     assert fast < 0.05, fast  # a window of 64 batches is never full over 12
 
 
+def test_stage_cpu_seconds_tell_a_stages_work_from_its_waits() -> None:
+    """A fetch that sleeps and a transform that spins: both take their time, only the spin is CPU."""
+    from threadloader.transforms import Transform
+
+    from .conftest import encode, photo
+
+    pause = 0.01
+
+    class SlowSamples(list):  # type: ignore[type-arg]
+        def __getitem__(self, index: Any) -> Any:
+            time.sleep(pause)  # a fetch from a slow store: the thread waits
+            return super().__getitem__(index)
+
+    class Spin(Transform):
+        def apply(self, images: torch.Tensor, params: Any) -> torch.Tensor:
+            until = time.thread_time() + pause  # work: the thread's own CPU
+            while time.thread_time() < until:
+                pass
+            return images
+
+    samples = SlowSamples((encode(photo(8, 8, seed=i)), i) for i in range(8))
+    with ThreadLoader(samples, batch_size=2, num_threads=1, device="cpu", transform=Spin()) as loader:
+        assert len(list(loader)) == 4
+        stats = loader.stats()
+    wall, cpu = stats.stage_seconds, stats.stage_cpu_seconds
+    assert wall["fetch"] >= 8 * pause and cpu["fetch"] < 0.5 * wall["fetch"], (wall, cpu)
+    assert cpu["transform"] >= 4 * pause and cpu["transform"] > 0.5 * wall["transform"], (wall, cpu)
+    assert cpu["decode"] > 0 and cpu["ahead"] == cpu["wait"] == 0, cpu  # waits: not measured
+
+
 def test_a_stop_iteration_from_a_collate_fn_is_raised_at_its_batch_not_taken_for_the_epochs_end(
     blobs: list[bytes],
 ) -> None:

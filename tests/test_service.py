@@ -362,6 +362,7 @@ def test_stats_latency_and_invariants(blobs: list[bytes]) -> None:
     assert 0 < stats.latency_ms_p50 <= stats.latency_ms_p90 <= stats.latency_ms_p99
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled == N
     assert stats.stage_seconds["decode"] > 0
+    assert 0 < stats.stage_cpu_seconds["decode"] <= stats.stage_seconds["decode"] * 1.05  # timer grain
 
 
 @pytest.mark.parametrize(

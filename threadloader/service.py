@@ -98,10 +98,12 @@ class ServiceStats(BatcherStats):
         cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
         stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``;
             ``ahead`` and ``wait``, a loader's prefetch window and its consumer, stay 0 here).
+        stage_cpu_seconds: The workers' CPU seconds per stage: the rest of ``stage_seconds`` was waiting.
     """
 
     cpu_fallbacks: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    stage_cpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
 
 class _Batching(Generic[T, R]):
@@ -421,7 +423,10 @@ class BatchDecoder(_Batching[Encoded, torch.Tensor]):
         counts = self._counts()
         pipeline = self._pipeline_stats.snapshot()
         return ServiceStats(
-            **counts, cpu_fallbacks=pipeline.cpu_fallbacks, stage_seconds=pipeline.stage_seconds
+            **counts,
+            cpu_fallbacks=pipeline.cpu_fallbacks,
+            stage_seconds=pipeline.stage_seconds,
+            stage_cpu_seconds=pipeline.stage_cpu_seconds,
         )
 
     def close(self, *, cancel_pending: bool = False) -> None:

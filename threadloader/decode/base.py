@@ -66,7 +66,7 @@ class StageRecorder(Protocol):
     """
 
     def timed(self, stage: str) -> AbstractContextManager[None]:
-        """Times the body as host seconds of ``stage``."""
+        """Times the body as host seconds of ``stage`` (and the thread's CPU seconds in it)."""
         ...
 
     def count(self, name: str, n: int = 1) -> None:
