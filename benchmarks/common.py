@@ -26,7 +26,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -351,6 +351,20 @@ def cpu_seconds() -> float:
         found |= frontier
     _walked[0] += time.thread_time() - walk  # this walk, which the next call's ``total`` includes
     return total + sum(cpu[pid] for pid in found)
+
+
+def memory_by_stream(segments: Sequence[Mapping[str, Any]]) -> dict[int, list[float]]:
+    """MiB ``[reserved, allocated]`` per CUDA stream, from ``torch.cuda.memory_snapshot()``'s segments.
+
+    Torch's caching allocator keeps the blocks a stream freed for later allocations on that stream
+    only: with a stream per reader, what each caches is device memory of its own.
+    """
+    streams: dict[int, list[float]] = {}
+    for segment in segments:
+        totals = streams.setdefault(int(segment["stream"]), [0.0, 0.0])
+        totals[0] += segment["total_size"] / 2**20
+        totals[1] += segment["allocated_size"] / 2**20
+    return streams
 
 
 class DeviceMemory:

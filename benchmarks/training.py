@@ -113,6 +113,11 @@ class TrainingRow:
     first_batch_s: float | None = None  # after the pause, to the first batch's data ready
     extra_torch_peak_mb: float | None = None
     extra_device_mb: float | None = None
+    #: After the windows, torch's caching allocator per CUDA stream, MiB ``[reserved, allocated]``:
+    #: the step's own stream, and every other (a loader's readers' and allocation streams, the
+    #: fixed input's none), largest first. A stream's freed blocks serve only that stream.
+    step_stream_mb: list[float] = field(default_factory=list)
+    other_streams_mb: list[list[float]] = field(default_factory=list)
     row_s: float | None = None  # the row's process, start to end
     #: img/s of each ``--steps`` steps of the warm-up (the last part may be shorter): the ramp to the
     #: steady state the windows measure. Beside the graphed step ThreadLoader's decode calls are slower
@@ -217,6 +222,10 @@ def measure(spec: RowSpec, args: argparse.Namespace) -> TrainingRow:
             for window in range(args.windows):
                 _window(row, stream, step, args.steps, args.device, stats=stats[0] if stats else None)
                 _progress(f"window {window + 1}: {row.images_per_s[-1]:,.0f} img/s, {_diagnostics(row)}")
+        if device == "cuda":
+            streams = common.memory_by_stream(torch.cuda.memory_snapshot())
+            row.step_stream_mb = streams.pop(torch.cuda.current_stream().cuda_stream, [0.0, 0.0])
+            row.other_streams_mb = sorted(streams.values(), reverse=True)
         row.extra_device_mb = memory.stop()
         if device == "cuda":
             row.extra_torch_peak_mb = (torch.cuda.max_memory_allocated() - step_peak) / 2**20

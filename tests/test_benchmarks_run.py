@@ -554,3 +554,16 @@ def test_a_training_windows_counts_are_over_its_clock_not_the_walks_over_proc(
     assert row.started_on_cpu == [2 * steps], row.started_on_cpu
     (ms,), (cores,) = row.ms_per_step, row.process_cores
     assert cores == pytest.approx(steps * SPIN_S / (ms * steps / 1000), abs=0.15), (cores, ms)
+
+
+def test_memory_by_stream_sums_each_streams_segments() -> None:
+    """torch.cuda.memory_snapshot()'s segments (the keys it gives), summed per stream in MiB."""
+    mib = 2**20
+    segments = [
+        {"stream": 0, "total_size": 20 * mib, "allocated_size": 2 * mib, "device": 0},
+        {"stream": 94, "total_size": 64 * mib, "allocated_size": 48 * mib, "device": 0},
+        {"stream": 0, "total_size": 2 * mib, "allocated_size": 0, "device": 0},
+        {"stream": 95, "total_size": 32 * mib, "allocated_size": 0, "device": 0},
+    ]
+    assert common.memory_by_stream(segments) == {0: [22.0, 2.0], 94: [64.0, 48.0], 95: [32.0, 0.0]}
+    assert common.memory_by_stream([]) == {}
