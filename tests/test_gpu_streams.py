@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from threadloader import ThreadLoader
+from threadloader import ThreadLoader, _handoff
 from threadloader.transforms import Transform
 
 from .conftest import encode, photo, run_script
@@ -35,7 +35,9 @@ class _NoteStream(Transform):
         return images
 
 
-def test_a_loader_built_after_another_closed_runs_on_its_streams() -> None:
+def test_a_loader_built_after_another_closed_runs_on_its_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pool of the test's own: a loader of an earlier test collected meanwhile gives streams back too.
+    monkeypatch.setattr(_handoff, "STREAMS", _handoff.StreamPool())
     samples = [(encode(photo(96, 128, seed=i)), i) for i in range(16)]
     leased, seen = [], []
     for _ in range(3):
@@ -93,7 +95,9 @@ def test_loaders_built_in_turn_without_triton_leave_no_new_cublas_workspaces(tmp
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     print(json.dumps(measured))  # the figures, for the record (pytest -s)
     allocated, reserved = measured["allocated"], measured["reserved"]
-    # Two readers, two streams: at most four (handle, stream) pairs, all made within the first few
-    # loaders. Fresh streams made two new workspaces (64 MiB) per loader, to the last.
-    assert allocated[-1] - allocated[3] < 32, measured
-    assert reserved[-1] - reserved[3] < 32, measured
+    # Two readers on two streams: which cuBLAS handle a reader thread gets varies (a third while an
+    # ended thread has not yet let its own go), so a few (handle, stream) pairs, up to four more
+    # workspaces than the first loader's. Fresh streams made two new workspaces (64 MiB) per loader,
+    # to the last: 448 MiB over seven.
+    assert allocated[-1] - allocated[0] < 4 * 32 + 16, measured
+    assert reserved[-1] - reserved[0] < 4 * 32 + 16, measured

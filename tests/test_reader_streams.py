@@ -12,12 +12,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 
-from threadloader import ThreadLoader
+from threadloader import ThreadLoader, _runtime
 from threadloader._handoff import ReaderStream, StreamPool
 
-from .conftest import encode, photo
+from .conftest import GatedDecoder, encode, photo
 
 GPU = torch.device("cuda", 0)
 
@@ -96,3 +97,49 @@ def test_closing_a_loader_gives_its_readers_streams_back_for_the_next_loader() -
     loader._runtime.readers = readers
     loader.close()
     assert {id(pool.lease(GPU, high_priority=True)) for _ in range(2)} == {id(r.stream) for r in readers}
+
+
+def test_a_runtime_whose_warm_up_fails_to_start_gives_its_streams_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No runtime reaches the caller to be closed: the constructor gives the streams back itself."""
+    pool = StreamPool(_Made())
+    leased: list[ReaderStream] = []
+
+    def reader_stream(_device: torch.device) -> ReaderStream:  # stand-ins for a GPU loader's streams
+        leased.append(ReaderStream(GPU, pool=pool))
+        return leased[-1]
+
+    def failing_warmup(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("the warm-up could not start")
+
+    monkeypatch.setattr(_runtime, "ReaderStream", reader_stream)
+    monkeypatch.setattr(_runtime, "Warmup", failing_warmup)
+    decoder = GatedDecoder()
+    decoder.warms_up = True  # type: ignore[misc]
+    samples = [(encode(photo(40, 32, seed=i)), i) for i in range(4)]
+    with pytest.raises(RuntimeError, match="could not start"):
+        ThreadLoader(samples, batch_size=2, num_threads=2, decoder=decoder)
+    assert len(leased) == 2
+    assert {id(pool.lease(GPU, high_priority=True)) for _ in range(2)} == {id(r.stream) for r in leased}
+
+
+def test_closing_a_micro_batcher_gives_its_workers_streams_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batcher's workers run the user's model on leased streams of the default priority."""
+    from threadloader import MicroBatcher, service
+
+    made = _Made()
+    pool = StreamPool(made)
+    leased: list[ReaderStream] = []
+
+    def worker_stream(_device: torch.device, *, high_priority: bool) -> ReaderStream:
+        leased.append(ReaderStream(GPU, pool=pool, high_priority=high_priority))
+        return leased[-1]
+
+    monkeypatch.setattr(service, "ReaderStream", worker_stream)
+    batcher = MicroBatcher(lambda inputs: inputs, num_threads=2)  # no request: the stand-ins stay unused
+    batcher.close()
+    batcher.close()  # twice: given back once
+    assert made.calls == [(GPU, False), (GPU, False)]
+    assert {id(pool.lease(GPU, high_priority=False)) for _ in range(2)} == {id(r.stream) for r in leased}
+    assert len(made.calls) == 2

@@ -80,13 +80,17 @@ class ReaderStream:
     """A reader thread's dedicated CUDA stream on the loader's device (nothing on the CPU).
 
     The stream is leased from ``pool`` (default: :data:`STREAMS`) and goes back to it on :meth:`release`.
+    Of the device's highest priority unless ``high_priority`` is ``False`` (a service's workers that
+    run the user's model, which has no training step beside it to get ahead of).
     """
 
-    def __init__(self, device: torch.device, *, pool: StreamPool | None = None) -> None:
+    def __init__(
+        self, device: torch.device, *, pool: StreamPool | None = None, high_priority: bool | None = None
+    ) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None
         self._pool: StreamPool | None = None
-        self._high_priority = _HIGH_PRIORITY
+        self._high_priority = _HIGH_PRIORITY if high_priority is None else high_priority
         self._lock = threading.Lock()  # two closes at once give it back once
         if device.type == "cuda":
             self._pool = pool or STREAMS

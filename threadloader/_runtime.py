@@ -84,7 +84,6 @@ class Runtime:
         self.num_threads = options.threads_on(self.device)
         self.decode_batch_size = decode_batch_size_on(self.device, batch_size, decode_batch_size)
         self.output = options.output_format()
-        self.readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
         self._cpu_start: PillowDecoder | None = None
         self._warmup: Warmup | None = None
         self._side_lock = threading.Lock()
@@ -97,21 +96,30 @@ class Runtime:
             batch = self.decode_batch_size or 1
             decoder = build_decoder(options, self.device, threads=self.num_threads, batch=batch)
         self.decoder = decoder
-        if self.decoder.warms_up and warm_up:
-            # Loads the decoder, on the readers' streams, while the caller builds the rest; meanwhile
-            # the readers decode with Pillow, copied to the GPU.
-            self._warmup = Warmup(
-                self.producer,
-                self.readers,
-                # A batch per call the decoder runs at once (the GPU decoder's Decoders; one for others).
-                threads=min(self.num_threads, getattr(self.decoder, "gpu_decoders", 1)),
-                prepare=functools.partial(self.output.prepare, self.device),
-            )
-            self._cpu_start = PillowDecoder(
-                max_pixels=options.max_pixels,
-                device=self.device,
-                threads=min(_CPU_START_THREADS, max(1, available_cpus() // self.num_threads)),
-            )
+        # Leased once the decoder is built, which may raise; from here a failure gives them back.
+        self.readers = [ReaderStream(self.device) for _ in range(self.num_threads)]
+        try:
+            if self.decoder.warms_up and warm_up:
+                self._start_warmup(options)
+        except BaseException:  # no runtime for the caller to close: the streams back, the decoder closed
+            self.close()
+            raise
+
+    def _start_warmup(self, options: Options) -> None:
+        # Loads the decoder, on the readers' streams, while the caller builds the rest; meanwhile the
+        # readers decode with Pillow, copied to the GPU.
+        self._warmup = Warmup(
+            self.producer,
+            self.readers,
+            # A batch per call the decoder runs at once (the GPU decoder's Decoders; one for others).
+            threads=min(self.num_threads, getattr(self.decoder, "gpu_decoders", 1)),
+            prepare=functools.partial(self.output.prepare, self.device),
+        )
+        self._cpu_start = PillowDecoder(
+            max_pixels=options.max_pixels,
+            device=self.device,
+            threads=min(_CPU_START_THREADS, max(1, available_cpus() // self.num_threads)),
+        )
 
     @property
     def transform(self) -> Transform | None:

@@ -45,10 +45,12 @@ class LoaderStats:
             GPU while nvImageCodec was starting in the background.
         region_decodes: Samples decoded as a random crop's region only, not as the whole image.
         stage_seconds: Host seconds per stage, keys as in :data:`STAGES`.
-        stage_cpu_seconds: CPU seconds the threads spent in each stage, keys as in :data:`STAGES`:
-            what a stage's ``stage_seconds`` has beyond these it spent waiting (for the GIL beside a
-            training loop, a lock, a read from disk, the GPU). ``ahead`` and ``wait`` are waits
-            themselves, whose CPU is not measured: 0.
+        stage_cpu_seconds: CPU seconds the timing threads (the readers, the consumer) spent in each
+            stage, keys as in :data:`STAGES`: what a stage's ``stage_seconds`` has beyond these it
+            spent waiting (for the GIL beside a training loop, a lock, a read from disk, the GPU) or
+            on work that other threads did for it (nvImageCodec's in ``decode``, Pillow's pool's in
+            the first batches of a GPU loader), whose CPU is not counted. ``ahead`` and ``wait`` are
+            waits themselves, whose CPU is not measured: 0.
     """
 
     batches: int = 0

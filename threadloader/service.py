@@ -31,6 +31,7 @@ import torch
 
 from ._checks import check_count
 from ._device import parse_device, usable
+from ._handoff import ReaderStream
 from ._options import DEFAULTS, Options
 from ._runtime import Runtime
 from ._serving.batcher import CallEngine
@@ -98,7 +99,7 @@ class ServiceStats(BatcherStats):
         cpu_fallbacks: Images the GPU decoder gave up on that Pillow decoded instead.
         stage_seconds: Host seconds per pipeline stage, summed over workers (keys as in ``STAGES``;
             ``ahead`` and ``wait``, a loader's prefetch window and its consumer, stay 0 here).
-        stage_cpu_seconds: The workers' CPU seconds per stage: the rest of ``stage_seconds`` was waiting.
+        stage_cpu_seconds: The workers' own CPU seconds per stage (as ``LoaderStats``' say).
     """
 
     cpu_fallbacks: int = 0
@@ -110,6 +111,7 @@ class _Batching(Generic[T, R]):
     """The queue, workers and counters that :class:`BatchDecoder` and :class:`MicroBatcher` share."""
 
     _group: ThreadGroup | None = None  # set last by _start: the finalizer closes only a started service
+    _release: Callable[[], object] | None = None  # what close runs once no worker is in a call
 
     def _start(
         self,
@@ -208,7 +210,7 @@ class _Batching(Generic[T, R]):
                 raise ``CancelledError``); the batches being run still complete, and the workers are
                 joined within about a second.
         """
-        self._close(cancel_pending, close_deadline())
+        self._close(cancel_pending, close_deadline(), self._release)
 
     def _close(self, cancel_pending: bool, until: float, release: Callable[[], object] | None = None) -> None:
         """:meth:`close`, a bounded wait ending at ``until`` (``time.monotonic()``).
@@ -539,21 +541,29 @@ class MicroBatcher(_Batching[T, R]):
         if not callable(fn):
             raise TypeError(f"fn must be callable (inputs -> one result each), got {type(fn).__name__}")
         where = usable(parse_device(device if device is not None else "cpu"))
-        streams = tuple(torch.cuda.Stream(where) for _ in range(num_threads)) if where.type == "cuda" else ()
+        # Leased and given back as a loader's readers' are: a model's cuBLAS workspaces and cached
+        # blocks, which torch keeps per stream, serve the next batcher built in the process.
+        workers = [ReaderStream(where, high_priority=False) for _ in range(num_threads)]
+        streams = tuple(worker.stream for worker in workers if worker.stream is not None)
+        self._release = functools.partial(_release_all, workers)
         metrics = Metrics()
-        self._start(
-            CallEngine(fn=fn, metrics=metrics, streams=streams),
-            metrics=metrics,
-            device=where,
-            num_threads=num_threads,
-            max_batch=max_batch,
-            max_delay_ms=max_delay_ms,
-            max_queue=max_queue,
-            when_full=when_full,
-            # fn is the user's model, not a reader: it keeps torch's threads, as a training loop does
-            # (one OpenMP thread ran a CPU model on one core).
-            one_op_thread=False,
-        )
+        try:
+            self._start(
+                CallEngine(fn=fn, metrics=metrics, streams=streams),
+                metrics=metrics,
+                device=where,
+                num_threads=num_threads,
+                max_batch=max_batch,
+                max_delay_ms=max_delay_ms,
+                max_queue=max_queue,
+                when_full=when_full,
+                # fn is the user's model, not a reader: it keeps torch's threads, as a training loop
+                # does (one OpenMP thread ran a CPU model on one core).
+                one_op_thread=False,
+            )
+        except BaseException:  # no batcher to close: the streams back now
+            _release_all(workers)
+            raise
 
     def run(self, data: T) -> R:
         """Runs one input through ``fn`` in a micro-batch, blocking until its result; see ``submit``."""
@@ -582,6 +592,11 @@ class MicroBatcher(_Batching[T, R]):
             f"max_delay_ms={self.max_delay_ms}, num_threads={self.num_threads}, "
             f"max_queue={self.max_queue}, when_full={self.when_full!r})"
         )
+
+
+def _release_all(workers: list[ReaderStream]) -> None:
+    for worker in workers:
+        worker.release()
 
 
 def _check_batching(*, max_batch: int, max_delay_ms: float, max_queue: int, when_full: str) -> None:
