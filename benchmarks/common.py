@@ -317,6 +317,33 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
     return seconds
 
 
+def thread_names(read: dict[int, tuple[str, float]]) -> dict[int, str]:
+    """Each thread's name in a :func:`thread_cpu` reading.
+
+    Python's where it has one, else the OS's (nvImageCodec's pool threads are ``[NVIMGCODEC][TP``).
+    """
+    python = {thread.native_id: thread.name for thread in threading.enumerate()}
+    return {tid: python.get(tid, name) for tid, (name, _) in read.items()}
+
+
+def cores_by_group(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float
+) -> dict[str, float]:
+    """Cores each group of threads used between two :func:`thread_cpu` readings ``wall`` seconds apart.
+
+    A group is the threads named alike but for their numbers (a loader's readers, nvImageCodec's pool,
+    CUDA's), so that a window says who used the cores: the readers, the step's thread, nvImageCodec.
+    A thread that ended between the readings is not counted.
+    """
+    names = thread_names(after)
+    cores: dict[str, float] = {}
+    for tid, (_, cpu) in after.items():
+        group = re.sub(r"\d+", "#", names[tid])
+        used = cpu - before.get(tid, ("", 0.0))[1]
+        cores[group] = cores.get(group, 0.0) + used / wall
+    return dict(sorted(cores.items(), key=lambda item: -item[1]))
+
+
 _walked = [0.0]
 """The CPU seconds :func:`cpu_seconds` has spent walking ``/proc`` in this process, so far."""
 

@@ -96,6 +96,9 @@ class TrainingRow:
     main_involuntary_per_step: list[float] = field(default_factory=list)
     #: CPU seconds of this process and its workers (DataLoader's) over the window's wall seconds.
     process_cores: list[float] = field(default_factory=list)
+    #: Per window, the cores each group of this process's threads used (``common.cores_by_group``:
+    #: the step's ``MainThread``, the readers, nvImageCodec's pool, CUDA's and torch's threads).
+    thread_cores: list[dict[str, float]] = field(default_factory=list)
     #: ThreadLoader rows: per window, ``loader.stats()``'s host ms per batch handed out, per stage
     #: (summed over the reader threads, so they can add up to more than a step).
     stage_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
@@ -266,6 +269,7 @@ def _window(
     # takes milliseconds, which would stretch the window (cpu_seconds leaves its own CPU out). The
     # other counts are read next to the clock, so that none of them takes in the walks either: the
     # main thread's switches while it walks, the readers' stages and allocations meanwhile.
+    threads = common.thread_cpu()
     process_cpu = common.cpu_seconds()
     before = stats() if stats is not None else None
     allocations = _allocators.counts()
@@ -279,6 +283,7 @@ def _window(
     allocated = _allocators.counts()
     after = stats() if stats is not None else None
     process_cpu = common.cpu_seconds() - process_cpu
+    row.thread_cores.append(common.cores_by_group(threads, common.thread_cpu(), wall))
     if before is not None and after is not None:
         row.stage_ms_per_batch.append(common.stage_ms(before, after))
         row.stage_cpu_ms_per_batch.append(common.stage_ms(before, after, cpu=True))

@@ -7,6 +7,8 @@ import itertools
 import json
 import os
 import sys
+import threading
+import time
 from argparse import ArgumentTypeError
 from dataclasses import asdict
 from pathlib import Path
@@ -567,3 +569,36 @@ def test_memory_by_stream_sums_each_streams_segments() -> None:
     ]
     assert common.memory_by_stream(segments) == {0: [22.0, 2.0], 94: [64.0, 48.0], 95: [32.0, 0.0]}
     assert common.memory_by_stream([]) == {}
+
+
+def test_cores_by_group_counts_threads_named_alike_together() -> None:
+    """Two threads named ``spinner-0`` and ``spinner-1`` that spin 0.3 s of their own CPU each: one group."""
+    spin = 0.3
+    started = threading.Barrier(3, timeout=10)
+    done = threading.Event()
+
+    def spinner() -> None:
+        started.wait()
+        until = time.thread_time() + spin
+        while time.thread_time() < until:
+            pass
+        done.wait(10)  # alive at the second reading: an ended thread is not counted
+
+    threads = [threading.Thread(target=spinner, name=f"spinner-{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    before = common.thread_cpu()
+    wall = time.perf_counter()
+    started.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(
+        common.thread_cpu()[t.native_id][1] < spin - 0.02 for t in threads if t.native_id
+    ):
+        time.sleep(0.05)  # /proc counts in ticks (10 ms): until it shows both spins
+    wall = time.perf_counter() - wall
+    cores = common.cores_by_group(before, common.thread_cpu(), wall)
+    done.set()
+    for thread in threads:
+        thread.join(10)
+    assert "spinner-#" in cores and "spinner-0" not in cores, cores
+    assert 2 * (spin - 0.02) <= cores["spinner-#"] * wall < 2 * spin + 0.2, (cores, wall)

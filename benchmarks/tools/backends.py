@@ -20,7 +20,6 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +27,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import IMAGENET_MEAN, IMAGENET_STD, endless, shuffled_threadloader, thread_cpu
+from benchmarks.common import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    endless,
+    shuffled_threadloader,
+    thread_cpu,
+    thread_names,
+)
 from benchmarks.datasets import OUTPUT_SIZE, SETS, ensure_dataset, list_images
 
 DEFAULT_CONFIGS = 'auto={};all={"backend": "all"};cuda={"backend": "cuda"}'
@@ -42,10 +48,9 @@ def busiest(
     Python's name where a thread has one, else the OS's (nvImageCodec's pool threads are
     ``[NVIMGCODEC][TP``).
     """
-    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    names = thread_names(after)
     used = [
-        (names.get(tid, name), round(cpu - before.get(tid, (name, 0.0))[1], 2))
-        for tid, (name, cpu) in after.items()
+        (names[tid], round(cpu - before.get(tid, (name, 0.0))[1], 2)) for tid, (name, cpu) in after.items()
     ]
     return sorted((entry for entry in used if entry[1] >= 0.02), key=lambda entry: -entry[1])[:8]
 
