@@ -74,6 +74,10 @@ def test_training_benchmark_reports_each_row_against_the_fixed_input(tmp_path: P
     assert loaded["ratio"] == pytest.approx(expected)
     assert by["graphed", "threadloader"]["status"] == "skipped"
     assert "| eager | resize | ThreadLoader |" in (out / "training.md").read_text()
+    # Who used the cores, and the readers' own CPU per stage, per window.
+    groups = loaded["thread_cores"][0]
+    assert "MainThread" in groups and any(name.startswith("threadloader-") for name in groups), groups
+    assert len(loaded["stage_cpu_ms_per_batch"]) == 3 and loaded["stage_cpu_ms_per_batch"][0]["decode"] > 0
 
 
 def test_gil_benchmark_measures_the_loop_beside_each_load(tmp_path: Path) -> None:
