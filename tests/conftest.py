@@ -329,6 +329,24 @@ class GatedDecoder(ImageDecoder):
         return self._inner.decode(encoded, stream=stream, stats=stats)
 
 
+def crops_script(count: int) -> str:
+    """Lines of a script (:func:`run_script`) that make ``samples``: ``count`` JPEGs of 200x160 crops
+    of the bundled photo, each at its own offset, labelled by their index."""
+    return f"""
+import io
+from importlib import resources
+
+from PIL import Image
+
+photo = Image.open(resources.files("threadloader") / "_sample" / "coffee.jpg").convert("RGB")
+samples = []
+for i in range({count}):
+    out = io.BytesIO()
+    photo.crop((i, i, i + 200, i + 160)).save(out, "JPEG", quality=90)
+    samples.append((out.getvalue(), i))
+"""
+
+
 def script_process(tmp_path: Path, text: str, *args: str) -> tuple[list[str], dict[str, Any]]:
     """The command and ``subprocess`` keywords that run ``text`` as a script, from the repository root,
     with this checkout first on the path (the script is written to ``tmp_path``)."""

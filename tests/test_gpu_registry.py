@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_script
+from .conftest import crops_script, run_script
 
 pytestmark = pytest.mark.gpu
 
-_SCRIPT = r"""
-import gc, io, itertools, json
-from importlib import resources
+_SCRIPT = (
+    crops_script(64)
+    + r"""
+import gc, itertools, json
 
 import torch
-from PIL import Image
 
 from threadloader import ThreadLoader
 
@@ -34,13 +34,6 @@ def outside_torch():
     free, total = torch.cuda.mem_get_info()
     return (total - free - torch.cuda.memory_reserved()) / MiB
 
-
-photo = Image.open(resources.files("threadloader") / "_sample" / "coffee.jpg").convert("RGB")
-samples = []
-for i in range(64):
-    out = io.BytesIO()
-    photo.crop((i, i, i + 200, i + 160)).save(out, "JPEG", quality=90)
-    samples.append((out.getvalue(), i))
 
 torch.zeros(1, device="cuda")
 levels, during = [], []
@@ -58,6 +51,7 @@ for backend, threads in itertools.product(["auto", "all", "hybrid", "split"], [1
     levels.append(outside_torch())
 print(json.dumps({"after_each_close": levels, "while_open": during}))
 """
+)
 
 
 def test_loaders_of_twenty_settings_built_and_closed_in_turn_keep_device_memory_bounded(

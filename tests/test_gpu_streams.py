@@ -19,7 +19,7 @@ import torch
 from threadloader import ThreadLoader, _handoff
 from threadloader.transforms import Transform
 
-from .conftest import encode, photo, run_script
+from .conftest import crops_script, encode, photo, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -54,26 +54,22 @@ def test_a_loader_built_after_another_closed_runs_on_its_streams(monkeypatch: py
     assert all(streams and streams <= leased[0] for streams in seen), (seen, leased)
 
 
-_SCRIPT = r"""
-import gc, io, json, os, sys
+_SCRIPT = (
+    r"""
+import os, sys
 sys.modules["triton"] = None  # the resize as matrix products: cuBLAS, its workspaces
 # No warm-up: its threads would be more cuBLAS handles (a workspace per handle and stream).
 os.environ["THREADLOADER_WARMUP"] = "0"
-from importlib import resources
+"""
+    + crops_script(32)
+    + r"""
+import gc, json
 
 import torch
-from PIL import Image
 
 from threadloader import ThreadLoader
 
 MiB = 2**20
-photo = Image.open(resources.files("threadloader") / "_sample" / "coffee.jpg").convert("RGB")
-samples = []
-for i in range(32):
-    out = io.BytesIO()
-    photo.crop((i, i, i + 200, i + 160)).save(out, "JPEG", quality=90)
-    samples.append((out.getvalue(), i))
-
 torch.zeros(1, device="cuda")
 allocated, reserved = [], []
 for _ in range(8):
@@ -87,6 +83,7 @@ for _ in range(8):
     reserved.append(torch.cuda.memory_reserved() / MiB)
 print(json.dumps({"allocated": allocated, "reserved": reserved}))
 """
+)
 
 
 def test_loaders_built_in_turn_without_triton_leave_no_new_cublas_workspaces(tmp_path: Path) -> None:
