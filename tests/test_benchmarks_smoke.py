@@ -77,7 +77,9 @@ def test_training_benchmark_reports_each_row_against_the_fixed_input(tmp_path: P
     # Who used the cores, and the readers' own CPU per stage, per window.
     groups = loaded["thread_cores"][0]
     assert "MainThread" in groups and any(name.startswith("threadloader-") for name in groups), groups
-    assert len(loaded["stage_cpu_ms_per_batch"]) == 3 and loaded["stage_cpu_ms_per_batch"][0]["decode"] > 0
+    # A window whose batches were all made ahead (prefetch) has no decode of its own: 0 there.
+    cpu = loaded["stage_cpu_ms_per_batch"]
+    assert len(cpu) == 3 and max(window["decode"] for window in cpu) > 0, cpu
 
 
 def test_gil_benchmark_measures_the_loop_beside_each_load(tmp_path: Path) -> None:
