@@ -32,9 +32,6 @@ import torch
 
 __all__ = ["STREAMS", "ReaderStream", "Ready", "StreamPool"]
 
-_HIGH_PRIORITY = True
-"""Reader streams at the device's highest priority; benchmarks turn it off to measure what it changes."""
-
 
 def _new_stream(device: torch.device, high_priority: bool) -> torch.cuda.Stream:
     # (least, greatest): a lower number is a higher priority; torch clamps to what it supports.
@@ -85,12 +82,12 @@ class ReaderStream:
     """
 
     def __init__(
-        self, device: torch.device, *, pool: StreamPool | None = None, high_priority: bool | None = None
+        self, device: torch.device, *, pool: StreamPool | None = None, high_priority: bool = True
     ) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None
         self._pool: StreamPool | None = None
-        self._high_priority = _HIGH_PRIORITY if high_priority is None else high_priority
+        self._high_priority = high_priority
         self._lock = threading.Lock()  # two closes at once give it back once
         if device.type == "cuda":
             self._pool = pool or STREAMS
