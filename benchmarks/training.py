@@ -102,8 +102,9 @@ class TrainingRow:
     #: ThreadLoader rows: per window, ``loader.stats()``'s host ms per batch handed out, per stage
     #: (summed over the reader threads, so they can add up to more than a step).
     stage_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
-    #: The same windows' CPU ms per batch of the threads in each stage: the rest of a stage's ms
-    #: was waiting (for the GIL beside the step, a lock, the GPU).
+    #: The same windows' CPU ms per batch of the timing threads in each stage: the rest of a stage's
+    #: ms was waiting (for the GIL beside the step, a lock, the GPU) or other threads' work
+    #: (nvImageCodec's in ``decode``), as ``LoaderStats.stage_cpu_seconds`` says.
     stage_cpu_ms_per_batch: list[dict[str, float]] = field(default_factory=list)
     #: ThreadLoader rows on the GPU: per window, nvImageCodec's calls to the allocators per step
     #: (``_allocators.Counts``' fields); empty where its Decoders have none.
