@@ -1020,6 +1020,43 @@ def test_an_exit_during_a_threaded_pillow_call_waits_for_a_few_images_not_the_ba
     ended = time.time()
     assert child.returncode == 0, child.stderr
     assert ended - float(child.stdout.split()[-1]) < 1.0
+    # The pool refuses work once the exit has begun: that raised in the caller's thread (a traceback at
+    # every such exit, and at times an abort as the thread unwound while the interpreter finalized).
+    assert "Traceback" not in child.stderr, child.stderr
+
+
+_EXIT_DURING_THREADED_PILLOW_IN_A_THREAD_JOINED = """
+import threading, time
+import numpy as np
+from threadloader.decode import PillowDecoder, pillow
+
+def slow(data, *, max_pixels):
+    time.sleep(0.05)
+    return np.full((2, 2, 3), len(data), np.uint8)
+
+pillow.decode_rgb = slow
+
+def run():
+    batch = PillowDecoder(threads=2).decode([b"x" * n for n in range(1, 21)], stream=None)
+    print(batch.errors, [int(batch.image(p)[0, 0, 0]) for p in range(20)], flush=True)
+
+threading.Thread(target=run).start()  # not a daemon: the interpreter waits for it
+time.sleep(0.2)
+"""
+
+
+def test_a_threaded_pillow_call_in_a_thread_the_exit_waits_for_decodes_its_whole_batch() -> None:
+    """Python joins a non-daemon thread after the pools stop taking work: the rest of its batch is
+    decoded in that thread, not lost to an error."""
+    child = subprocess.run(
+        [sys.executable, "-c", _EXIT_DURING_THREADED_PILLOW_IN_A_THREAD_JOINED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == f"{{}} {list(range(1, 21))}", child.stdout + child.stderr
+    assert "Traceback" not in child.stderr, child.stderr
 
 
 def test_a_sampler_that_blocks_holds_up_no_next_or_close(blobs: list[bytes]) -> None:

@@ -341,19 +341,32 @@ class PillowDecoder(ImageDecoder):
         (``concurrent.futures`` joins them then, before any hook of ours runs): handed the whole batch,
         an exit during a GPU loader's CPU start waited for all of it. Images are handed out as results
         come in instead, and a cancel drops the ones not handed out.
+
+        Once the interpreter's exit has begun, a pool takes no more work (``submit`` raises): the rest
+        of the batch is decoded in the calling thread. Raising printed a traceback at every exit that
+        came during such a call, and a daemon thread unwinding through torch's frames while the
+        interpreter finalized sometimes aborted the process.
         """
         workers = min(self.threads, len(encoded))
         images = iter(encoded)
         with ThreadPoolExecutor(workers, thread_name_prefix="threadloader-pillow") as pool:
-            handed: collections.deque[Future[torch.Tensor | BaseException]] = collections.deque(
-                pool.submit(self._one, data) for data in itertools.islice(images, 2 * workers)
-            )
+
+            def hand(count: int) -> Iterator[Future[torch.Tensor | BaseException]]:
+                for data in itertools.islice(images, count):
+                    try:
+                        yield pool.submit(self._one, data)
+                    except RuntimeError:  # the interpreter is exiting: decoded here instead
+                        done: Future[torch.Tensor | BaseException] = Future()
+                        done.set_result(self._one(data))
+                        yield done
+
+            handed = collections.deque(hand(2 * workers))
             try:
                 decoded = []
                 while handed:
                     check_cancelled()  # stops at the next image; the ones under way end first
                     decoded.append(handed.popleft().result())
-                    handed.extend(pool.submit(self._one, data) for data in itertools.islice(images, 1))
+                    handed.extend(hand(1))
                 return decoded
             finally:
                 for future in handed:
