@@ -10,6 +10,10 @@ speed beside it:
 
 - ``threadloader``: a ThreadLoader over the varied set (resize to 224x224, float normalized, the
   training benchmark's pipeline), consumed by a background thread;
+- ``dali``: DALI's pipeline of the same work (``benchmarks.loaders.dali``), consumed the same way, only
+  when asked for (``--backgrounds dali``, with DALI installed): what a loader whose threads are C++,
+  driving the same nvImageCodec, costs the loop, so that the part of ThreadLoader's delay that the GPU
+  decoding itself makes (the driver's locks, the GPU) stands apart from the part its Python makes;
 - ``decode``: a thread doing nothing but decoding in-memory bytes (nvImageCodec ``Decoder.decode()``
   in batches of 64 on a GPU; Pillow image by image on the CPU);
 - ``spin``: a pure-Python loop, the worst case, for reference (it loads no images).
@@ -46,7 +50,9 @@ from benchmarks.common import names
 from benchmarks.datasets import OUTPUT_SIZE, ensure_dataset, list_images
 
 SET = "varied"
-BACKGROUNDS = ("threadloader", "decode", "spin")
+BACKGROUNDS = ("threadloader", "dali", "decode", "spin")
+DEFAULT_BACKGROUNDS = ("threadloader", "decode", "spin")
+"""Without DALI, which few machines have installed: ``--backgrounds`` names it."""
 OPS = ("cpu", "cuda")
 _CHUNK = 10  # ops between clock reads: a spinning neighbour makes each op wait a switch interval
 _START_TIMEOUT_S = 120.0
@@ -57,7 +63,7 @@ class GilRow:
     """One (switch interval, background load, op kind) measurement."""
 
     switch_interval_ms: float
-    background: str  # "threadloader" (with its engine: "threadloader[capi]"), "decode" or "spin"
+    background: str  # "threadloader" (with its engine: "threadloader[capi]"), "dali", "decode" or "spin"
     ops: str
     op_us_alone: float
     op_us_beside: float
@@ -137,20 +143,23 @@ def _decode(blobs: list[bytes], device: str) -> Callable[[threading.Event, Backg
     return on_gpu if device == "cuda" else on_cpu
 
 
-def _threadloader(
-    root: Path, device: str, batch_size: int, engine: str | None
+def _consumed(
+    batches: Callable[[], loaders.Batches], device: str
 ) -> Callable[[threading.Event, Background], None]:
+    """A loader's batches taken in the background thread, counted once the loader is past its start.
+
+    Batches are taken on a stream of this thread's own, and waited for there, as the decode background
+    waits for its own: taken on the default stream, they made the main thread's ops, queued on that
+    stream too, wait for every batch, a delay the GIL had no part in.
+    """
+
     def run(stop: threading.Event, counter: Background) -> None:
-        # Batches are taken on a stream of this thread's own, and waited for there, as the decode
-        # background waits for its own: taken on the default stream, they made the main thread's ops,
-        # queued on that stream too, wait for every batch, a delay the GIL had no part in.
         side = torch.cuda.Stream() if device == "cuda" else None
-        work = loaders.Work(OUTPUT_SIZE[SET], batch_size, device, normalize=True)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            stream = loaders.threadloader(root, work, num_threads=None, channels_last=True, engine=engine)
+            stream = batches()
             try:
-                # The first batch is the start-up's; the stream hands the next one once the loader is
-                # past its CPU start (loaders.past_the_cpu_start), so counting from it starts the windows.
+                # The first batch is the start-up's (a ThreadLoader's stream hands the next one once it
+                # is past its CPU start, loaders.past_the_cpu_start): counting from it starts the windows.
                 next(stream)
                 for images, _ in stream:
                     if side is not None:
@@ -162,6 +171,22 @@ def _threadloader(
                 stream.close()
 
     return run
+
+
+def _threadloader(
+    root: Path, device: str, batch_size: int, engine: str | None
+) -> Callable[[threading.Event, Background], None]:
+    work = loaders.Work(OUTPUT_SIZE[SET], batch_size, device, normalize=True)
+    return _consumed(
+        lambda: loaders.threadloader(root, work, num_threads=None, channels_last=True, engine=engine), device
+    )
+
+
+def _dali(
+    root: Path, device: str, batch_size: int, workers: int
+) -> Callable[[threading.Event, Background], None]:
+    work = loaders.Work(OUTPUT_SIZE[SET], batch_size, device, normalize=True)
+    return _consumed(lambda: loaders.dali(root, work, workers=workers), device)
 
 
 def op_loop(ops: str, seconds: float) -> tuple[int, float]:
@@ -195,7 +220,9 @@ def measure(args: argparse.Namespace) -> list[GilRow]:
     blobs = [path.read_bytes() for path, _ in files]
     loads: dict[str, Callable[[threading.Event, Background], None]] = {}
     for name in args.backgrounds:
-        if name != "threadloader":
+        if name == "dali":
+            loads[name] = _dali(args.root, args.device, args.batch_size, args.workers)
+        elif name != "threadloader":
             loads[name] = _decode(blobs, args.device) if name == "decode" else _spin
         elif args.device != "cuda":
             loads[name] = _threadloader(args.root, args.device, args.batch_size, None)
@@ -264,6 +291,7 @@ SIZED = {  # option: (full run, --quick, what it is)
     "count": (1000, 32, "images in the varied set"),
     "batch_size": (64, 8, "ThreadLoader batch size"),
     "seconds": (1.0, 0.3, "length of each timed loop"),
+    "workers": (8, 2, "DALI's CPU threads (the training benchmark's default)"),
 }
 
 
@@ -276,7 +304,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[0.005, 0.0001],
         help="sys.setswitchinterval values in seconds (default 0.005,0.0001)",
     )
-    p.add_argument("--backgrounds", type=names(BACKGROUNDS), default=list(BACKGROUNDS))
+    p.add_argument(
+        "--backgrounds", type=names(BACKGROUNDS), default=list(DEFAULT_BACKGROUNDS),
+        help=f"of {','.join(BACKGROUNDS)} (default {','.join(DEFAULT_BACKGROUNDS)}: dali only when named)",
+    )  # fmt: skip
     p.add_argument(
         "--engines", type=names(common.ENGINES), default=list(common.ENGINES),
         help="nvImageCodec's C API, its Python API: a threadloader row each on a GPU (default both)",

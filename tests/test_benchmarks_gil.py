@@ -33,23 +33,26 @@ def slow_start(root: Path, *_: Any, **__: Any) -> Generator[tuple[torch.Tensor, 
         yield batch
 
 
+@pytest.mark.parametrize("background", ["threadloader", "dali"])
 def test_the_alone_window_starts_after_the_loaders_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: str
 ) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "0.jpg").write_bytes(encode(photo(8, 8)))
-    monkeypatch.setattr(gil.loaders, "threadloader", slow_start)
+    monkeypatch.setattr(gil.loaders, background, slow_start)
     args = argparse.Namespace(
         root=tmp_path,
-        backgrounds=["threadloader"],
+        backgrounds=[background],
         device="cpu",
         batch_size=BATCH,
         engines=["capi"],
         switch_intervals=[0.005],
         ops=["cpu"],
         seconds=WINDOW_S,
+        workers=2,
     )
     (row,) = gil.measure(args)
+    assert row.background == background
     assert row.images_per_s_alone is not None
     assert row.images_per_s_alone > 0.3 * BATCH / 0.005, row  # steady batches, none of the start's stall
     assert row.images_per_s_alone == pytest.approx(row.images_alone / WINDOW_S)
