@@ -995,17 +995,21 @@ def test_a_next_that_close_wakes_raises_at_once_beside_a_stuck_reader() -> None:
 
 
 _EXIT_DURING_THREADED_PILLOW = """
-import sys, threading, time
+import os, sys, threading, time
 from threadloader.decode import PillowDecoder, pillow
 
 def slow(data, *, max_pixels):  # a large photo's decode
+    if threading.current_thread().name == "user":  # in the caller's thread, not the call's pool
+        os.write(2, b"decoded in the daemon thread at exit\\n")
     time.sleep(0.1)
     import numpy as np
     return np.zeros((2, 2, 3), np.uint8)
 
 pillow.decode_rgb = slow
 decoder = PillowDecoder(threads=2)
-threading.Thread(target=decoder.decode, args=([b"x"] * 40,), kwargs={"stream": None}, daemon=True).start()
+threading.Thread(
+    target=decoder.decode, args=([b"x"] * 40,), kwargs={"stream": None}, daemon=True, name="user"
+).start()
 time.sleep(0.3)
 print(time.time(), flush=True)  # the script ends here
 """
@@ -1023,6 +1027,9 @@ def test_an_exit_during_a_threaded_pillow_call_waits_for_a_few_images_not_the_ba
     # The pool refuses work once the exit has begun: that raised in the caller's thread (a traceback at
     # every such exit, and at times an abort as the thread unwound while the interpreter finalized).
     assert "Traceback" not in child.stderr, child.stderr
+    # Nor does that daemon thread decode the rest itself: it would run torch while the interpreter
+    # finalizes. It parks until the process ends.
+    assert "decoded in the daemon thread" not in child.stderr, child.stderr
 
 
 _EXIT_DURING_THREADED_PILLOW_IN_A_THREAD_JOINED = """

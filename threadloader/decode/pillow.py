@@ -10,6 +10,7 @@ dropped, samples wider than 8 bits reduced to their high byte.
 from __future__ import annotations
 
 import collections
+import concurrent.futures.thread
 import io
 import itertools
 import numbers
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile, TiffImagePlugin, UnidentifiedImageError
 
-from .._cancel import check_cancelled
+from .._cancel import check_cancelled, in_own_thread
 from .._stats import StatsRecorder
 from ..errors import detached
 from .base import (
@@ -342,10 +343,10 @@ class PillowDecoder(ImageDecoder):
         an exit during a GPU loader's CPU start waited for all of it. Images are handed out as results
         come in instead, and a cancel drops the ones not handed out.
 
-        Once the interpreter's exit has begun, a pool takes no more work (``submit`` raises): the rest
-        of the batch is decoded in the calling thread. Raising printed a traceback at every exit that
-        came during such a call, and a daemon thread unwinding through torch's frames while the
-        interpreter finalized sometimes aborted the process.
+        Once the interpreter's exit has begun, a pool takes no more work (``submit`` raises): see
+        :meth:`_refused`. Raising printed a traceback at every exit that came during such a call, and a
+        daemon thread unwinding through torch's frames while the interpreter finalized at times aborted
+        the process.
         """
         workers = min(self.threads, len(encoded))
         images = iter(encoded)
@@ -355,10 +356,10 @@ class PillowDecoder(ImageDecoder):
                 for data in itertools.islice(images, count):
                     try:
                         yield pool.submit(self._one, data)
-                    except RuntimeError:  # the interpreter is exiting: decoded here instead
-                        done: Future[torch.Tensor | BaseException] = Future()
-                        done.set_result(self._one(data))
-                        yield done
+                        continue
+                    except RuntimeError:  # the pool takes no more work (the exit, or no thread to be had)
+                        pass
+                    yield self._refused(data)
 
             handed = collections.deque(hand(2 * workers))
             try:
@@ -371,6 +372,27 @@ class PillowDecoder(ImageDecoder):
             finally:
                 for future in handed:
                     future.cancel()
+
+    def _refused(self, data: Encoded) -> Future[torch.Tensor | BaseException]:
+        """An image the call's pool refused, decoded in the calling thread.
+
+        A thread the interpreter waits for (a non-daemon one) gets its whole batch. A daemon thread of
+        the user's, once the exit has begun, parks instead, as the library's pools park one
+        (``_workers._exiting``): decoding, it would run torch while the interpreter finalizes. The
+        library's own threads stop at the next image, once the exit hook cancels them.
+        """
+        check_cancelled()
+        thread = threading.current_thread()
+        if _exiting() and thread.daemon and not in_own_thread():
+            threading.Event().wait()
+        done: Future[torch.Tensor | BaseException] = Future()
+        done.set_result(self._one(data))
+        return done
+
+
+def _exiting() -> bool:
+    """Whether ``concurrent.futures`` has stopped taking work because the interpreter is exiting."""
+    return bool(getattr(concurrent.futures.thread, "_shutdown", False))
 
 
 def _uploaded(
