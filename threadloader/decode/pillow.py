@@ -19,7 +19,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import cast
 
 import numpy as np
@@ -354,12 +354,12 @@ class PillowDecoder(ImageDecoder):
 
             def hand(count: int) -> Iterator[Future[torch.Tensor | BaseException]]:
                 for data in itertools.islice(images, count):
-                    try:
-                        yield pool.submit(self._one, data)
-                        continue
-                    except RuntimeError:  # the pool takes no more work (the exit, or no thread to be had)
-                        pass
-                    yield self._refused(data)
+                    future: Future[torch.Tensor | BaseException] | None = None
+                    # Refused once the pool takes no more work (the exit, or no thread to be had).
+                    with suppress(RuntimeError):
+                        future = pool.submit(self._one, data)
+                    # Decoded outside the handler: a bad image's error would chain the refusal.
+                    yield future if future is not None else self._refused(data)
 
             handed = collections.deque(hand(2 * workers))
             try:
