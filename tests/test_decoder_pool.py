@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -775,3 +775,87 @@ def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace(
     decoder._decode_leased([(key, turn, {0: None})], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
     registry.unclaim([key])
     assert decoder.pace()[turn.arm] >= 0.2 * 0.9
+
+
+class _HashesInsideTheLock:
+    """A pool key whose first hashing, which the registry does inside its lock, runs ``inside()``.
+
+    It stands for the collector, which may run a finalizer at any allocation of any thread, the
+    registry's own locked code included.
+    """
+
+    def __init__(self, inside: Callable[[], object]) -> None:
+        self._inside: Callable[[], object] | None = inside
+
+    def __hash__(self) -> int:
+        inside, self._inside = self._inside, None
+        if inside is not None:
+            inside()
+        return 0
+
+    def __iter__(self) -> Iterator[object]:  # the stand-in Decoder factory takes a key's fields
+        return iter(())
+
+
+def _started_gpu_decoder(monkeypatch: pytest.MonkeyPatch, registry: DecoderRegistry) -> NvImageCodecDecoder:
+    """A GPU decoder on ``registry`` whose pools are claimed and hold a stand-in Decoder each."""
+    import torch
+
+    from threadloader.decode.nvimgcodec import _decoder
+
+    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
+    made = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2, engine="python", registry=registry)
+    made._start()  # type: ignore[attr-defined]
+    return made
+
+
+#: The pools a started ``backend="auto"`` decoder of :func:`_started_gpu_decoder` claims.
+_AUTO_POOLS = [("python", 0, "all", 2, True, 64), ("python", 0, "cuda", 2, True, 0)]
+
+
+def test_a_decoder_dropped_inside_the_registrys_lock_in_its_own_thread_ends_its_pools_on_leaving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The finalizer of a decoder collected while its thread is in the registry's locked code (a reader's
+    lease) does not wait for that thread's own lock: the thread ends the pools as it leaves."""
+    destroyed: list[object] = []
+    registry = DecoderRegistry(lambda *key: key, lambda key, decoder: destroyed.append(key))
+    seen: dict[str, object] = {}
+
+    def lease_while_the_decoder_is_dropped() -> None:
+        held = [_started_gpu_decoder(monkeypatch, registry)]  # made and dropped by this thread (3.13t)
+        registry.release(KEY, registry.acquire(_HashesInsideTheLock(held.clear), 1))  # type: ignore[arg-type]
+        seen["on_leaving"] = list(destroyed)
+
+    thread = threading.Thread(target=lease_while_the_decoder_is_dropped, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the thread waits for the registry's lock that it holds itself"
+    assert seen["on_leaving"] == _AUTO_POOLS
+
+
+def test_a_decoder_dropped_while_another_thread_is_in_the_registry_does_not_wait_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The finalizer leaves the pools to the thread in the registry, which ends them as it leaves."""
+    import gc
+
+    destroyed: list[object] = []
+    registry = DecoderRegistry(lambda *key: key, lambda key, decoder: destroyed.append(key))
+    decoder = _started_gpu_decoder(monkeypatch, registry)
+    inside, leave = threading.Event(), threading.Event()
+    holder = threading.Thread(
+        target=registry.acquire,
+        args=(_HashesInsideTheLock(lambda: (inside.set(), leave.wait(10))), 1),
+        daemon=True,
+    )
+    holder.start()
+    assert inside.wait(10)
+    started = time.monotonic()
+    del decoder
+    gc.collect()
+    assert time.monotonic() - started < 5, "the finalizer waited for the thread in the registry"
+    assert destroyed == []  # that thread has yet to leave
+    leave.set()
+    holder.join(10)
+    assert not holder.is_alive() and destroyed == _AUTO_POOLS

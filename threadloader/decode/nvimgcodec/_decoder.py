@@ -211,8 +211,10 @@ class NvImageCodecDecoder(ImageDecoder):
         self._prepared: _Prepared | None = None
         self._closed = False
         # The pools it claimed are let go when it is dropped unclosed too; not at exit, where
-        # destroying Decoders would race the CUDA runtime's own teardown.
-        self._release = weakref.finalize(self, _unclaim, registry, [])
+        # destroying Decoders would race the CUDA runtime's own teardown. Never waiting for the
+        # registry's lock: a finalizer (this one, or a loader's that closes it) may run inside that
+        # lock's own code, in the thread that holds it.
+        self._release = weakref.finalize(self, registry.unclaim_soon, [])
         self._release.atexit = False
 
     #: nvImageCodec's start (its instance, the self-test, the first Decoder) takes seconds.
@@ -255,7 +257,8 @@ class NvImageCodecDecoder(ImageDecoder):
     def close(self) -> None:
         """Lets the pools this decoder claimed go, with the Decoders no other decoder uses.
 
-        Those are destroyed at once if idle, else once their calls have returned. Idempotent; a later call
+        Those are destroyed at once if idle, else once their calls have returned; where another thread
+        is inside the registry at that instant, by that thread as it leaves. Idempotent; a later call
         decodes on new Decoders.
         """
         with self._started:
@@ -291,7 +294,7 @@ class NvImageCodecDecoder(ImageDecoder):
                     if not self._closed:  # claimed until close, or until the decoder is dropped
                         self._registry.claim(prepared.claimed)
                         self._release.detach()
-                        self._release = weakref.finalize(self, _unclaim, self._registry, prepared.claimed)
+                        self._release = weakref.finalize(self, self._registry.unclaim_soon, prepared.claimed)
                         self._release.atexit = False
                 self._prepared = prepared
                 with _started_lock:
@@ -537,12 +540,6 @@ class NvImageCodecDecoder(ImageDecoder):
     def _output_memory(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Decode memory of ``shape`` that no queued work still reads (``_memory.output_memory``)."""
         return output_memory(shape, self.device, self._registry.allocation_stream(self.device))
-
-
-def _unclaim(registry: DecoderRegistry, keys: list[DecoderKey]) -> None:
-    """Ends a decoder's claims on its pools (its ``close()``, or its finalizer)."""
-    if keys:
-        registry.unclaim(keys)
 
 
 @functools.cache

@@ -17,13 +17,22 @@ options (backend, threads, batch size), so a notebook or a server that builds lo
 settings made a new pool for each and kept them all. Each decoder claims the pools it uses while it is
 open; when the last claim on a pool ends, its Decoders are destroyed (at once if idle, else when their
 call returns), so what stays is what open loaders can use.
+
+Why a dropped decoder's claims may end a moment late: its finalizer runs wherever the collector does,
+which may be inside this registry's own locked code, in the same thread (a decoder in a reference
+cycle, collected during a reader's lease); ending the claims there would wait for that thread's own
+lock forever. So a finalizer ends them at once only where the lock is free, and otherwise leaves them to
+whichever thread holds it, once it lets go (:meth:`DecoderRegistry.unclaim_soon`).
 """
 
 from __future__ import annotations
 
+import collections
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -71,6 +80,18 @@ class DecoderRegistry:
         self._doomed: set[int] = set()  # of those, the ones of ended pools: destroyed once settled
         self._verdicts: dict[Hashable, bool] = {}
         self._allocation_streams: dict[int, torch.cuda.Stream] = {}
+        # Claims finalizers ended while the lock was held: ended by the holder once it lets go.
+        self._dropped: collections.deque[list[Hashable]] = collections.deque()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The registry's lock around the body; then the claims finalizers left meanwhile are ended."""
+        try:
+            with self._returned:
+                yield
+        finally:
+            if self._dropped:
+                self._end_dropped()
 
     def acquire(self, key: Hashable, limit: int) -> Any:
         """A Decoder for ``key`` that no other thread calls until :meth:`release`.
@@ -82,7 +103,7 @@ class DecoderRegistry:
         """
         if limit < 1:
             raise ValueError(f"a Decoder pool needs a limit of at least 1, got {limit}")
-        with self._returned:
+        with self._locked():
             # The pool's list is looked up again after each wait: a pool that ended meanwhile dropped
             # its list, whose Decoders were destroyed.
             while not (idle := self._idle.setdefault(key, [])) and self._made.get(key, 0) >= limit:
@@ -96,7 +117,7 @@ class DecoderRegistry:
         try:
             return self._new_decoder(*key)  # type: ignore[misc]  # outside the lock: it takes a while
         except BaseException:
-            with self._returned:
+            with self._locked():
                 self._made[key] -= 1
                 self._returned.notify_all()
             raise
@@ -107,7 +128,7 @@ class DecoderRegistry:
         ``pending``: a call was submitted to it and not yet waited for; the caller calls :meth:`settle`
         once it has been, and the Decoder is not destroyed before.
         """
-        with self._returned:
+        with self._locked():
             if pending:
                 self._pending[id(decoder)] = self._pending.get(id(decoder), 0) + 1
             ended = self._claims.get(key) == 0
@@ -121,7 +142,7 @@ class DecoderRegistry:
 
     def settle(self, key: Hashable, decoder: Any) -> None:
         """Says that a call :meth:`release` was told is pending has been waited for."""
-        with self._returned:
+        with self._locked():
             left = self._pending[id(decoder)] - 1
             if left:
                 self._pending[id(decoder)] = left
@@ -154,20 +175,54 @@ class DecoderRegistry:
 
     def claim(self, keys: Iterable[Hashable]) -> None:
         """Says that a decoder uses the pools of ``keys`` until it calls :meth:`unclaim` with them."""
-        with self._lock:
+        with self._locked():
             for key in keys:
                 self._claims[key] = self._claims.get(key, 0) + 1
 
     def unclaim(self, keys: Iterable[Hashable]) -> None:
         """Ends claims made by :meth:`claim`: a pool whose last claim ends has its Decoders destroyed."""
         ended: list[tuple[Hashable, Any]] = []
-        with self._lock:
+        with self._locked():
             for key in keys:
                 left = self._claims[key] = self._claims[key] - 1
                 if left == 0:
                     ended.extend((key, d) for d in self._idle.pop(key, []) if self._end(key, d))
         for key, decoder in ended:  # outside the lock: destroying joins the Decoder's threads
             self._destroy(key, decoder)
+
+    def unclaim_soon(self, keys: Iterable[Hashable]) -> None:
+        """:meth:`unclaim` for a finalizer: never waits for the registry's lock.
+
+        At once where the lock is free; else the thread that holds it ends the claims once it lets go
+        (the holder may be the finalizer's own thread, which would otherwise wait for itself).
+        """
+        keys = list(keys)
+        if not keys:
+            return
+        self._dropped.append(keys)  # before the try: a holder that lets go after it sees them
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            self._end_dropped()
+
+    def _end_dropped(self) -> None:
+        """Ends the claims :meth:`unclaim_soon` left; an error is reported as a finalizer's would be."""
+        while True:
+            try:
+                keys = self._dropped.popleft()
+            except IndexError:  # none left, or another thread took the last
+                return
+            try:
+                self.unclaim(keys)
+            except Exception as exc:  # not the unrelated caller's error: printed, as a finalizer's
+                sys.unraisablehook(
+                    SimpleNamespace(
+                        exc_type=type(exc),
+                        exc_value=exc,
+                        exc_traceback=exc.__traceback__,
+                        err_msg="Exception ignored while ending a dropped decoder's claims on its pools",
+                        object=None,
+                    )
+                )
 
     @contextmanager
     def claimed(self, keys: Iterable[Hashable]) -> Iterator[None]:
@@ -181,7 +236,7 @@ class DecoderRegistry:
 
     def made(self, key: Hashable) -> int:
         """How many Decoders exist for ``key`` (those of an ended pool still working included)."""
-        with self._lock:
+        with self._locked():
             return self._made.get(key, 0)
 
     def verdict(self, subject: Hashable, check: Callable[[], bool]) -> bool:
@@ -190,17 +245,17 @@ class DecoderRegistry:
         ``check`` runs outside the lock (it decodes); two threads may both run it, and the first
         verdict stored stands.
         """
-        with self._lock:
+        with self._locked():
             works = self._verdicts.get(subject)
         if works is None:
             checked = check()
-            with self._lock:
+            with self._locked():
                 works = self._verdicts.setdefault(subject, checked)
         return works
 
     def revoke(self, subject: Hashable) -> bool:
         """Makes the verdict on ``subject`` "does not work"; whether this call changed it."""
-        with self._lock:
+        with self._locked():
             if self._verdicts.get(subject) is False:
                 return False
             self._verdicts[subject] = False
@@ -208,7 +263,7 @@ class DecoderRegistry:
 
     def allocation_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The device's stream that decode outputs are allocated on (see ``_memory.py``)."""
-        with self._lock:
+        with self._locked():
             stream = self._allocation_streams.get(device.index)  # type: ignore[arg-type]
             if stream is None:
                 stream = self._allocation_streams[device.index] = torch.cuda.Stream(device)  # type: ignore[index]
