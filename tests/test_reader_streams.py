@@ -143,3 +143,30 @@ def test_closing_a_micro_batcher_gives_its_workers_streams_back(monkeypatch: pyt
     assert made.calls == [(GPU, False), (GPU, False)]
     assert {id(pool.lease(GPU, high_priority=False)) for _ in range(2)} == {id(r.stream) for r in leased}
     assert len(made.calls) == 2
+
+
+def test_a_stream_given_back_from_inside_the_pools_lock_in_the_same_thread_does_not_wait_for_itself() -> None:
+    """A loader's finalizer gives its readers' streams back, and the collector may run it anywhere: in
+    the pool's own locked code too, in the thread that holds the lock (another loader's lease)."""
+    pool = StreamPool(_Made())
+    stream = pool.lease(GPU, high_priority=True)
+
+    class GivesBackWhenHashed:  # a device key: the pool hashes it inside its lock
+        def __init__(self) -> None:
+            self.hashed = False
+
+        def __hash__(self) -> int:
+            if not self.hashed:
+                self.hashed = True
+                pool.give_back(GPU, stream, high_priority=True)
+            return 0
+
+    leased: list[object] = []
+    thread = threading.Thread(
+        target=lambda: leased.append(pool.lease(GivesBackWhenHashed(), high_priority=True)),  # type: ignore[arg-type]
+        daemon=True,
+    )
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the thread waits for the pool's lock that it holds itself"
+    assert leased and pool.lease(GPU, high_priority=True) is stream  # given back all the same

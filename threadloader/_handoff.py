@@ -52,7 +52,9 @@ class StreamPool:
 
     def __init__(self, new_stream: Callable[[torch.device, bool], Any] = _new_stream) -> None:
         self._new_stream = new_stream
-        self._lock = threading.Lock()
+        # Reentrant: a loader's finalizer gives streams back, and the collector may run it inside a
+        # lease or a give-back of this same thread; each is one list operation, safe to nest.
+        self._lock = threading.RLock()
         self._free: dict[tuple[torch.device, bool], list[Any]] = {}
 
     def lease(self, device: torch.device, *, high_priority: bool) -> Any:
