@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +327,26 @@ class GatedDecoder(ImageDecoder):
         self.entered.set()
         assert self.gate.wait(10), "the test never opened the gate"
         return self._inner.decode(encoded, stream=stream, stats=stats)
+
+
+class HashesInsideTheLock:
+    """A key whose first hashing, which a registry or a pool does inside its lock, runs ``inside()``.
+
+    It stands for the collector, which may run a finalizer at any allocation of any thread, a shared
+    structure's own locked code included.
+    """
+
+    def __init__(self, inside: Callable[[], object]) -> None:
+        self._inside: Callable[[], object] | None = inside
+
+    def __hash__(self) -> int:
+        inside, self._inside = self._inside, None
+        if inside is not None:
+            inside()
+        return 0
+
+    def __iter__(self) -> Iterator[object]:  # a stand-in Decoder factory takes a key's fields
+        return iter(())
 
 
 def crops_script(count: int) -> str:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from threadloader import BatchDecoder, ThreadLoader
 from threadloader.decode.nvimgcodec import DecoderRegistry, NvImageCodecDecoder
 from threadloader.decode.nvimgcodec._registry import DecoderKey
+
+from .conftest import HashesInsideTheLock
 
 KEY = (0, "auto", 2)
 
@@ -718,6 +720,22 @@ def test_a_pool_never_claimed_keeps_its_decoders() -> None:
     assert destroyed == [] and registry.made(KEY) == 1
 
 
+def _started_gpu_decoder(monkeypatch: pytest.MonkeyPatch, registry: DecoderRegistry) -> NvImageCodecDecoder:
+    """A GPU decoder on ``registry`` whose pools are claimed and hold a stand-in Decoder each."""
+    import torch
+
+    from threadloader.decode.nvimgcodec import _decoder
+
+    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
+    made = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2, engine="python", registry=registry)
+    made._start()  # type: ignore[attr-defined]
+    return made
+
+
+#: The pools a started ``backend="auto"`` decoder of :func:`_started_gpu_decoder` claims.
+_AUTO_POOLS = [("python", 0, "all", 2, True, 64), ("python", 0, "cuda", 2, True, 0)]
+
+
 def test_the_gpu_decoder_claims_its_pools_until_it_is_closed_or_dropped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -725,28 +743,15 @@ def test_the_gpu_decoder_claims_its_pools_until_it_is_closed_or_dropped(
     or dropping it unclosed, destroys the Decoders no other decoder uses."""
     import gc
 
-    import torch
-
-    from threadloader.decode.nvimgcodec import NvImageCodecDecoder, _decoder
-
-    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
     destroyed: list[tuple[object, ...]] = []
     registry = DecoderRegistry(lambda *key: key, lambda key, decoder: destroyed.append(key))
-
-    def decoder() -> NvImageCodecDecoder:
-        made = NvImageCodecDecoder(
-            torch.device("cuda", 0), decode_threads=2, engine="python", registry=registry
-        )
-        made._start()  # type: ignore[attr-defined]  # makes a Decoder in each configuration's pool
-        return made
-
-    first, second = decoder(), decoder()
+    first, second = _started_gpu_decoder(monkeypatch, registry), _started_gpu_decoder(monkeypatch, registry)
     first.close()
     first.close()  # idempotent
     assert destroyed == []  # the second still uses the pool
     del second
     gc.collect()
-    assert destroyed == [("python", 0, "all", 2, True, 64), ("python", 0, "cuda", 2, True, 0)]
+    assert destroyed == _AUTO_POOLS
 
 
 def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace() -> None:
@@ -777,42 +782,6 @@ def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace(
     assert decoder.pace()[turn.arm] >= 0.2 * 0.9
 
 
-class _HashesInsideTheLock:
-    """A pool key whose first hashing, which the registry does inside its lock, runs ``inside()``.
-
-    It stands for the collector, which may run a finalizer at any allocation of any thread, the
-    registry's own locked code included.
-    """
-
-    def __init__(self, inside: Callable[[], object]) -> None:
-        self._inside: Callable[[], object] | None = inside
-
-    def __hash__(self) -> int:
-        inside, self._inside = self._inside, None
-        if inside is not None:
-            inside()
-        return 0
-
-    def __iter__(self) -> Iterator[object]:  # the stand-in Decoder factory takes a key's fields
-        return iter(())
-
-
-def _started_gpu_decoder(monkeypatch: pytest.MonkeyPatch, registry: DecoderRegistry) -> NvImageCodecDecoder:
-    """A GPU decoder on ``registry`` whose pools are claimed and hold a stand-in Decoder each."""
-    import torch
-
-    from threadloader.decode.nvimgcodec import _decoder
-
-    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
-    made = NvImageCodecDecoder(torch.device("cuda", 0), decode_threads=2, engine="python", registry=registry)
-    made._start()  # type: ignore[attr-defined]
-    return made
-
-
-#: The pools a started ``backend="auto"`` decoder of :func:`_started_gpu_decoder` claims.
-_AUTO_POOLS = [("python", 0, "all", 2, True, 64), ("python", 0, "cuda", 2, True, 0)]
-
-
 def test_a_decoder_dropped_inside_the_registrys_lock_in_its_own_thread_ends_its_pools_on_leaving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -824,7 +793,7 @@ def test_a_decoder_dropped_inside_the_registrys_lock_in_its_own_thread_ends_its_
 
     def lease_while_the_decoder_is_dropped() -> None:
         held = [_started_gpu_decoder(monkeypatch, registry)]  # made and dropped by this thread (3.13t)
-        registry.release(KEY, registry.acquire(_HashesInsideTheLock(held.clear), 1))  # type: ignore[arg-type]
+        registry.release(KEY, registry.acquire(HashesInsideTheLock(held.clear), 1))  # type: ignore[arg-type]
         seen["on_leaving"] = list(destroyed)
 
     thread = threading.Thread(target=lease_while_the_decoder_is_dropped, daemon=True)
@@ -846,7 +815,7 @@ def test_a_decoder_dropped_while_another_thread_is_in_the_registry_does_not_wait
     inside, leave = threading.Event(), threading.Event()
     holder = threading.Thread(
         target=registry.acquire,
-        args=(_HashesInsideTheLock(lambda: (inside.set(), leave.wait(10))), 1),
+        args=(HashesInsideTheLock(lambda: (inside.set(), leave.wait(10))), 1),
         daemon=True,
     )
     holder.start()

@@ -18,7 +18,7 @@ import torch
 from threadloader import ThreadLoader, _runtime
 from threadloader._handoff import ReaderStream, StreamPool
 
-from .conftest import GatedDecoder, encode, photo
+from .conftest import GatedDecoder, HashesInsideTheLock, encode, photo
 
 GPU = torch.device("cuda", 0)
 
@@ -151,19 +151,10 @@ def test_a_stream_given_back_from_inside_the_pools_lock_in_the_same_thread_does_
     pool = StreamPool(_Made())
     stream = pool.lease(GPU, high_priority=True)
 
-    class GivesBackWhenHashed:  # a device key: the pool hashes it inside its lock
-        def __init__(self) -> None:
-            self.hashed = False
-
-        def __hash__(self) -> int:
-            if not self.hashed:
-                self.hashed = True
-                pool.give_back(GPU, stream, high_priority=True)
-            return 0
-
+    gives_back = HashesInsideTheLock(lambda: pool.give_back(GPU, stream, high_priority=True))  # a device key
     leased: list[object] = []
     thread = threading.Thread(
-        target=lambda: leased.append(pool.lease(GivesBackWhenHashed(), high_priority=True)),  # type: ignore[arg-type]
+        target=lambda: leased.append(pool.lease(gives_back, high_priority=True)),  # type: ignore[arg-type]
         daemon=True,
     )
     thread.start()
