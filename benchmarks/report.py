@@ -593,10 +593,19 @@ def _beside_step(found: list[ResultFile]) -> list[str]:
     return [*training_table(found, page=True), *main_thread_table(found), *stage_table(found)]
 
 
+def _files_beside_step(results: Path, pattern: str) -> list[str]:
+    found = load(results, pattern)
+    return _beside_step(found) if found else no_results(pattern)
+
+
 def session(results: Path, charts: bool) -> list[str]:
     """One machine session's training rows under each interpreter, kept apart from the main table."""
-    found = load(results, "session-training*.json")
-    return _beside_step(found) if found else no_results("session-training*.json")
+    return _files_beside_step(results, "session-training*.json")
+
+
+def interpreters(results: Path, charts: bool) -> list[str]:
+    """One call's training rows under 3.13t and 3.12, with and without Triton, apart from the sessions'."""
+    return _files_beside_step(results, "interpreters-training*.json")
 
 
 def ramp_table(found: list[ResultFile]) -> list[str]:
@@ -655,7 +664,11 @@ def gil(results: Path, charts: bool) -> list[str]:
 def memory(results: Path, charts: bool) -> list[str]:
     """Extra GPU memory and start-up of every row that measured them, from the other sections' files."""
     runs = load(results, "throughput-*.json")
-    trainings = [*load(results, "training*.json"), *load(results, "session-training*.json")]
+    trainings = [
+        *load(results, "training*.json"),
+        *load(results, "session-training*.json"),
+        *load(results, "interpreters-training*.json"),
+    ]
     if not runs and not trainings:
         return no_results("throughput-*.json, training*.json")
     draw = memory_chart(runs) if charts else None
@@ -681,6 +694,7 @@ SECTIONS: dict[str, Callable[[Path, bool], list[str]]] = {
     "throughput": throughput,
     "training": training,
     "session": session,
+    "interpreters": interpreters,
     "ramp": ramp,
     "gil": gil,
     "queued": queued,

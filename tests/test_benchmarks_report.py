@@ -54,19 +54,22 @@ def test_the_options_section_reads_its_own_files_only(tmp_path: Path) -> None:
     assert "| marked |" not in "\n".join(report.training(tmp_path, charts=False))
 
 
-def test_the_session_section_reads_its_own_files_and_memory_reads_them_too(tmp_path: Path) -> None:
-    """One machine session's pair of interpreters: apart from the main table, in the memory table."""
+@pytest.mark.parametrize("section", ["session", "interpreters"])
+def test_a_section_of_one_session_reads_its_own_files_and_memory_reads_them_too(
+    tmp_path: Path, section: str
+) -> None:
+    """One machine session's interpreters: apart from the main table, in the memory table."""
     shutil.copy(report.RESULTS / "training.json", tmp_path / "training.json")
     data = json.loads((tmp_path / "training.json").read_text())
     for row in data["rows"]:
         row["spec"]["kind"] = "marked"
-    (tmp_path / "session-training-h100.json").write_text(json.dumps(data))
-    session = "\n".join(report.session(tmp_path, charts=False))
-    assert "| marked |" in session and "session-training-h100.json" in session
-    assert f"{tmp_path / 'training.json'}`" not in session
+    (tmp_path / f"{section}-training-h100.json").write_text(json.dumps(data))
+    own = "\n".join(report.SECTIONS[section](tmp_path, False))
+    assert "| marked |" in own and f"{section}-training-h100.json" in own
+    assert f"{tmp_path / 'training.json'}`" not in own
     assert "| marked |" not in "\n".join(report.training(tmp_path, charts=False))
     assert "marked step" in "\n".join(report.memory(tmp_path, charts=False))
-    assert "No results yet (`docs/results/session-training*.json`)." in report.page(tmp_path / "none")
+    assert f"No results yet (`docs/results/{section}-training*.json`)." in report.page(tmp_path / "none")
 
 
 def test_training_files_stand_side_by_side_by_interpreter(tmp_path: Path) -> None:
