@@ -26,8 +26,10 @@ to drop it).
 
 Every window starts once the load is past its start: a GPU ThreadLoader's batches are counted from
 its first past the CPU start (``loaders.past_the_cpu_start`` drops the Pillow ones), so no window
-falls inside nvImageCodec's start. A window in which a load loaded nothing says so ("none in 1 s"),
-rather than 0 images/s.
+falls inside nvImageCodec's start, and then after ``--settle`` seconds more: a ThreadLoader's decode
+calls run slower over its first thousands of images, and windows right after its first batch
+measured that ramp, not the steady state (docs/benchmarks.md, "The GIL beside a training loop"). A
+window in which a load loaded nothing says so ("none in 1 s"), rather than 0 images/s.
 """
 
 from __future__ import annotations
@@ -241,6 +243,7 @@ def measure(args: argparse.Namespace) -> list[GilRow]:
                 load = Background(loads[name])
                 try:
                     load.wait_started(counts_images=counts)
+                    time.sleep(args.settle)
                     before = load.images
                     time.sleep(args.seconds)
                     idle_images = load.images - before
@@ -292,6 +295,7 @@ SIZED = {  # option: (full run, --quick, what it is)
     "batch_size": (64, 8, "ThreadLoader batch size"),
     "seconds": (1.0, 0.3, "length of each timed loop"),
     "workers": (8, 2, "DALI's CPU threads (the training benchmark's default)"),
+    "settle": (3.0, 0.0, "seconds each load runs past its start before its windows"),
 }
 
 
@@ -335,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> list[GilRow]:
             "count": args.count,
             "batch_size": args.batch_size,
             "seconds": args.seconds,
+            "settle": args.settle,
             "device": args.device,
             "wall_s": round(time.perf_counter() - started),
         },

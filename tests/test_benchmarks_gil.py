@@ -1,4 +1,4 @@
-"""benchmarks.gil's windows: they start past a loader's start, and an empty one says so."""
+"""benchmarks.gil's windows: they start past a loader's start and its ramp, and an empty one says so."""
 
 from __future__ import annotations
 
@@ -22,6 +22,27 @@ START_S = 1.5
 WINDOW_S = 0.3
 
 
+def _args(root: Path, background: str, *, settle: float) -> argparse.Namespace:
+    return argparse.Namespace(
+        root=root,
+        backgrounds=[background],
+        device="cpu",
+        batch_size=BATCH,
+        engines=["capi"],
+        switch_intervals=[0.005],
+        ops=["cpu"],
+        seconds=WINDOW_S,
+        workers=2,
+        settle=settle,
+    )
+
+
+def _one_image(root: Path) -> Path:
+    (root / "a").mkdir()
+    (root / "a" / "0.jpg").write_bytes(encode(photo(8, 8)))
+    return root
+
+
 def slow_start(root: Path, *_: Any, **__: Any) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
     """A stream like a fresh GPU loader's: the first batch, then nothing while the CPU start drains
     (``loaders.past_the_cpu_start``), then steady batches."""
@@ -37,25 +58,36 @@ def slow_start(root: Path, *_: Any, **__: Any) -> Generator[tuple[torch.Tensor, 
 def test_the_alone_window_starts_after_the_loaders_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: str
 ) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "0.jpg").write_bytes(encode(photo(8, 8)))
     monkeypatch.setattr(gil.loaders, background, slow_start)
-    args = argparse.Namespace(
-        root=tmp_path,
-        backgrounds=[background],
-        device="cpu",
-        batch_size=BATCH,
-        engines=["capi"],
-        switch_intervals=[0.005],
-        ops=["cpu"],
-        seconds=WINDOW_S,
-        workers=2,
-    )
-    (row,) = gil.measure(args)
+    (row,) = gil.measure(_args(_one_image(tmp_path), background, settle=0.0))
     assert row.background == background
     assert row.images_per_s_alone is not None
     assert row.images_per_s_alone > 0.3 * BATCH / 0.005, row  # steady batches, none of the start's stall
     assert row.images_per_s_alone == pytest.approx(row.images_alone / WINDOW_S)
+
+
+#: How long the ramping loader's batches come slowly after its first: longer than a window.
+RAMP_S = 1.0
+
+
+def ramping(root: Path, *_: Any, **__: Any) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+    """A stream like a GPU loader's first seconds past its start: slow batches, then steady ones."""
+    batch = torch.zeros(BATCH, 3, 8, 8), torch.zeros(BATCH, dtype=torch.long)
+    yield batch
+    ramp_ends = time.monotonic() + RAMP_S
+    while True:
+        time.sleep(0.1 if time.monotonic() < ramp_ends else 0.005)
+        yield batch
+
+
+def test_the_windows_wait_for_the_settle_past_the_loaders_ramp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gil.loaders, "threadloader", ramping)
+    (row,) = gil.measure(_args(_one_image(tmp_path), "threadloader", settle=RAMP_S + 0.2))
+    assert row.images_per_s_alone is not None
+    # Steady batches come at up to BATCH / 0.005 a second; the ramp's at BATCH / 0.1.
+    assert row.images_per_s_alone > 0.3 * BATCH / 0.005, row
 
 
 def test_an_empty_window_is_said_not_reported_as_zero() -> None:
