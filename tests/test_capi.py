@@ -99,6 +99,26 @@ def test_headers_are_pillows() -> None:
             assert int(info["sample_type"]) == 0x0802, name  # uint8
 
 
+def test_the_engines_headers_give_each_jpegs_chroma_subsampling_as_pillow_reads_it() -> None:
+    """What splits a batch for the JPEG engine (``_engines.engine_parts``): nvImageCodec's
+    ``nvimgcodecChromaSubsampling_t`` of each, against the sampling Pillow reads from the same file."""
+    from PIL import JpegImagePlugin
+
+    from threadloader.decode.nvimgcodec._engines import CApiEngine
+
+    # Pillow's get_sampling (4:4:4, 4:2:2, 4:2:0) -> nvImageCodec's enumerators of the same sampling
+    nvimgcodec_of = {0: 0, 1: 2, 2: 3}
+    blobs = [encode(photo(48 + 8 * i, 64, i), quality=90, subsampling=i % 3) for i in range(6)]
+    gray = encode(photo(40, 56, 9), mode="L")
+    batch = CApiEngine(INSTANCE).parse([*blobs, gray])
+    expected = []
+    for data in blobs:
+        with Image.open(io.BytesIO(data)) as image:
+            expected.append(nvimgcodec_of[JpegImagePlugin.get_sampling(image)])
+    assert batch.headers.subsampling == [*expected, 7]  # 7: NVIMGCODEC_SAMPLING_GRAY
+    assert len(set(expected)) == 3
+
+
 @pytest.mark.parametrize(
     ("orientation", "expected"),
     # EXIF orientation -> (counter-clockwise degrees, flipped left-right, flipped top-bottom), the
