@@ -245,6 +245,40 @@ def test_a_call_submitted_while_the_decoder_works_on_another_decodes_both() -> N
         decoder.destroy()
 
 
+def test_a_batchs_parts_bound_and_submitted_one_after_the_other_on_one_workspace_decode_each() -> None:
+    """A call split by chroma subsampling (``_engines.engine_parts``): one workspace binds and submits
+    its second part while the first is under way on the same Decoder, then waits for both; each image
+    gets Pillow's pixels and nothing is written outside its memory."""
+    decoder = _capi.Decoder(
+        INSTANCE, device_id=_capi.DEVICE_CPU_ONLY, backends=[(_capi.CPU_ONLY, 1.0)], cpu_threads=3
+    )
+    sizes = [(480, 640), (300, 200), (640, 480), (50, 70), (512, 512), (257, 193)]
+    blobs = [encode(photo(h, w, 70 + i), quality=90, subsampling=i % 2 * 2) for i, (h, w) in enumerate(sizes)]
+    # the guard band: each image's memory has a row and a column more than it decodes into
+    memory = [np.full((h + 1, w + 1, 3), GUARD, dtype=np.uint8) for h, w in sizes]
+    workspace = _capi.Workspace(INSTANCE)
+    try:
+        assert workspace.parse(blobs) == [0] * len(blobs)
+        calls = []
+        for part in ([0, 2, 4], [1, 3, 5]):
+            bound = workspace.bind(
+                part,
+                [memory[p].ctypes.data for p in part],
+                [sizes[p] for p in part],
+                [memory[p].strides[0] for p in part],
+                stream=None,
+                host=True,
+            )
+            assert bound == [0, 0, 0]
+            calls.append(workspace.submit(decoder, part))
+        assert [call.wait() for call in calls] == [[True] * 3] * 2
+        for (h, w), image, data in zip(sizes, memory, blobs, strict=True):
+            np.testing.assert_array_equal(image[:h, :w], pil_reference(data))
+            assert (image[h] == GUARD).all() and (image[:, w] == GUARD).all()
+    finally:
+        decoder.destroy()
+
+
 def test_handles_are_reused_batch_after_batch() -> None:
     workspace = _capi.Workspace(INSTANCE)
     blobs = [encode(photo(20, 30, 40 + i)) for i in range(5)]

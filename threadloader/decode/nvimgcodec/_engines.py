@@ -87,7 +87,8 @@ def decoder_options(*, fancy_upsampling: bool, batch: int, allocators: bool = Fa
     nvImageCodec upsamples JPEG chroma smoothly by default, as libjpeg and Pillow do. With that on, its
     JPEG engine decodes a batch of mixed chroma subsamplings one image at a time, waiting for the GPU
     after each (nvImageCodec 0.9's "batch-single" path), at about half its speed alone and a fraction
-    of it beside a busy GPU; off, it decodes the batch in one call, as DALI does by default
+    of it beside a busy GPU, so such a call goes to it in parts of one subsampling
+    (:func:`engine_parts`); off, it decodes any batch in one call, as DALI does by default
     (``jpeg_fancy_upsampling=False``). docs/benchmarks.md has the measurements. Images that Pillow
     decodes instead (those nvImageCodec gives up on) are upsampled smoothly either way.
 
