@@ -735,6 +735,8 @@ def test_a_calls_parts_are_all_submitted_on_its_decoder_before_the_first_is_wait
 
     class Batch:
         def submit(self, leased: object, memory: dict[int, object], stream: int) -> Call:
+            if 11 in memory:
+                raise RuntimeError("nvimgcodecDecoderDecode failed")
             events.append(("submit", leased, tuple(memory)))
             return Call(memory)
 
@@ -757,6 +759,12 @@ def test_a_calls_parts_are_all_submitted_on_its_decoder_before_the_first_is_wait
     assert done.reasons == dict.fromkeys([7, 8, 9], "nvImageCodec failed (not today)")
     assert done.extents == dict.fromkeys([7, 8, 9])
     assert ("wait", None, (7, 8)) in events
+
+    events.clear()  # the second part's submit fails: the first, under way, is waited for all the same
+    failing = [dict.fromkeys([10]), dict.fromkeys([11])]
+    done = decoder._decode_leased([(key, None, failing)], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
+    assert done.reasons == dict.fromkeys([10, 11], "nvImageCodec failed (nvimgcodecDecoderDecode failed)")
+    assert [(what, positions) for what, _, positions in events] == [("submit", (10,)), ("wait", (10,))]
     registry.unclaim([key])
 
 

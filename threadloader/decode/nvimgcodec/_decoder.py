@@ -516,7 +516,8 @@ class NvImageCodecDecoder(ImageDecoder):
             pending: list[Pending] = []
             try:
                 with stats.timed("decode"):
-                    pending.extend(batch.submit(decoder, memory, handle) for memory in parts)
+                    for memory in parts:  # each part kept once submitted: a later one may raise
+                        pending.append(batch.submit(decoder, memory, handle))
                     if self._queue_calls and all(call.queued for call in pending):
                         self._registry.release(key, decoder, pending=True)
                         queued = True
