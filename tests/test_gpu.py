@@ -559,7 +559,8 @@ def test_a_batch_of_mixed_subsamplings_decodes_in_uniform_parts_as_pillow_does(
     decoder = NvImageCodecDecoder(torch.device("cuda", 0), backend=backend, decode_threads=2)
     assert decoder.engine == "capi"
     stream = torch.cuda.Stream()
-    decoder._pace = None if backend == "auto" else decoder._pace  # auto: always its JPEG engine's pool
+    if backend == "auto":  # no pace: each call on its first configuration, the JPEG engine's
+        decoder._pace = None
     parts.clear()  # the start's own calls (its priming batch) are not this batch's
     decoded = decoder.decode(blobs, stream=stream, stats=StatsRecorder())
     stream.synchronize()
