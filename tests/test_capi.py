@@ -99,26 +99,6 @@ def test_headers_are_pillows() -> None:
             assert int(info["sample_type"]) == 0x0802, name  # uint8
 
 
-def test_the_engines_headers_give_each_jpegs_chroma_subsampling_as_pillow_reads_it() -> None:
-    """What splits a batch for the JPEG engine (``_engines.engine_parts``): nvImageCodec's
-    ``nvimgcodecChromaSubsampling_t`` of each, against the sampling Pillow reads from the same file."""
-    from PIL import JpegImagePlugin
-
-    from threadloader.decode.nvimgcodec._engines import CApiEngine
-
-    # Pillow's get_sampling (4:4:4, 4:2:2, 4:2:0) -> nvImageCodec's enumerators of the same sampling
-    nvimgcodec_of = {0: 0, 1: 2, 2: 3}
-    blobs = [encode(photo(48 + 8 * i, 64, i), quality=90, subsampling=i % 3) for i in range(6)]
-    gray = encode(photo(40, 56, 9), mode="L")
-    batch = CApiEngine(INSTANCE).parse([*blobs, gray])
-    expected = []
-    for data in blobs:
-        with Image.open(io.BytesIO(data)) as image:
-            expected.append(nvimgcodec_of[JpegImagePlugin.get_sampling(image)])
-    assert batch.headers.subsampling == [*expected, 7]  # 7: NVIMGCODEC_SAMPLING_GRAY
-    assert len(set(expected)) == 3
-
-
 @pytest.mark.parametrize(
     ("orientation", "expected"),
     # EXIF orientation -> (counter-clockwise degrees, flipped left-right, flipped top-bottom), the
@@ -241,40 +221,6 @@ def test_a_call_submitted_while_the_decoder_works_on_another_decodes_both() -> N
             assert call.wait() == [True] * len(sizes)  # the same results again, not a second wait
             for image, data in zip(memory, blobs, strict=True):
                 np.testing.assert_array_equal(image, pil_reference(data))
-    finally:
-        decoder.destroy()
-
-
-def test_a_batchs_parts_bound_and_submitted_one_after_the_other_on_one_workspace_decode_each() -> None:
-    """A call split by chroma subsampling (``_engines.engine_parts``): one workspace binds and submits
-    its second part while the first is under way on the same Decoder, then waits for both; each image
-    gets Pillow's pixels and nothing is written outside its memory."""
-    decoder = _capi.Decoder(
-        INSTANCE, device_id=_capi.DEVICE_CPU_ONLY, backends=[(_capi.CPU_ONLY, 1.0)], cpu_threads=3
-    )
-    sizes = [(480, 640), (300, 200), (640, 480), (50, 70), (512, 512), (257, 193)]
-    blobs = [encode(photo(h, w, 70 + i), quality=90, subsampling=i % 2 * 2) for i, (h, w) in enumerate(sizes)]
-    # the guard band: each image's memory has a row and a column more than it decodes into
-    memory = [np.full((h + 1, w + 1, 3), GUARD, dtype=np.uint8) for h, w in sizes]
-    workspace = _capi.Workspace(INSTANCE)
-    try:
-        assert workspace.parse(blobs) == [0] * len(blobs)
-        calls = []
-        for part in ([0, 2, 4], [1, 3, 5]):
-            bound = workspace.bind(
-                part,
-                [memory[p].ctypes.data for p in part],
-                [sizes[p] for p in part],
-                [memory[p].strides[0] for p in part],
-                stream=None,
-                host=True,
-            )
-            assert bound == [0, 0, 0]
-            calls.append(workspace.submit(decoder, part))
-        assert [call.wait() for call in calls] == [[True] * 3] * 2
-        for (h, w), image, data in zip(sizes, memory, blobs, strict=True):
-            np.testing.assert_array_equal(image[:h, :w], pil_reference(data))
-            assert (image[h] == GUARD).all() and (image[:, w] == GUARD).all()
     finally:
         decoder.destroy()
 

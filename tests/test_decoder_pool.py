@@ -650,7 +650,7 @@ def test_a_reader_returns_its_decoder_once_its_call_is_submitted(
     results: dict[str, object] = {}
 
     def read(name: str, positions: list[int], fails: bool) -> None:
-        calls = [(key, None, [dict.fromkeys(positions)])]
+        calls = [(key, None, dict.fromkeys(positions))]
         results[name] = decoder._decode_leased(calls, Batch(fails), 0, StatsRecorder())  # type: ignore[arg-type]
 
     first = threading.Thread(target=read, args=("first", [0, 1], False))
@@ -705,137 +705,8 @@ def test_a_call_interrupted_before_its_wait_is_waited_for_before_its_decoder_goe
             return Call()
 
     with pytest.raises(KeyboardInterrupt):
-        decoder._decode_leased([(key, None, [{0: None}])], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
+        decoder._decode_leased([(key, None, {0: None})], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
     assert events == ["interrupted", "waited", "destroyed"]
-
-
-def test_a_calls_parts_are_all_submitted_on_its_decoder_before_the_first_is_waited_for() -> None:
-    """nvImageCodec starts a Decoder's next call once the last one is done with the host: a call's
-    parts queue on the one Decoder leased, and each gives its positions' extents; a part that fails as
-    a whole sends every sample of the call to Pillow, and the other parts are still waited for."""
-
-    from threadloader._stats import StatsRecorder
-
-    decoder, registry, key = _leasing("cuda", lambda key, decoder: None)
-    events: list[tuple[str, object, tuple[int, ...]]] = []
-
-    class Call:
-        queued = True
-
-        def __init__(self, memory: dict[int, object]) -> None:
-            self.memory, self.waited = memory, False
-
-        def result(self) -> dict[int, tuple[int, int] | None]:  # later calls return the same, unrecorded
-            if not self.waited:
-                events.append(("wait", None, tuple(self.memory)))
-            self.waited = True
-            if 9 in self.memory:
-                raise RuntimeError("not today")
-            return dict.fromkeys(self.memory, (2, 3))
-
-    class Batch:
-        def submit(self, leased: object, memory: dict[int, object], stream: int) -> Call:
-            if 11 in memory:
-                raise RuntimeError("nvimgcodecDecoderDecode failed")
-            events.append(("submit", leased, tuple(memory)))
-            return Call(memory)
-
-    parts = [dict.fromkeys([0, 1, 2]), dict.fromkeys([3]), dict.fromkeys([4, 5])]
-    done = decoder._decode_leased([(key, None, parts)], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
-    assert [(what, positions) for what, _, positions in events] == [
-        ("submit", (0, 1, 2)),
-        ("submit", (3,)),
-        ("submit", (4, 5)),
-        ("wait", (0, 1, 2)),
-        ("wait", (3,)),
-        ("wait", (4, 5)),
-    ]
-    assert len({id(leased) for what, leased, _ in events if what == "submit"}) == 1
-    assert done.extents == dict.fromkeys(range(6), (2, 3)) and done.reasons == {}
-
-    events.clear()
-    failing = [dict.fromkeys([7, 8]), dict.fromkeys([9])]
-    done = decoder._decode_leased([(key, None, failing)], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
-    assert done.reasons == dict.fromkeys([7, 8, 9], "nvImageCodec failed (not today)")
-    assert done.extents == dict.fromkeys([7, 8, 9])
-    assert ("wait", None, (7, 8)) in events
-
-    events.clear()  # the second part's submit fails: the first, under way, is waited for all the same
-    failing = [dict.fromkeys([10]), dict.fromkeys([11])]
-    done = decoder._decode_leased([(key, None, failing)], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
-    assert done.reasons == dict.fromkeys([10, 11], "nvImageCodec failed (nvimgcodecDecoderDecode failed)")
-    assert [(what, positions) for what, _, positions in events] == [("submit", (10,)), ("wait", (10,))]
-    registry.unclaim([key])
-
-
-def _mixed_headers(subsampling: list[int]) -> object:
-    """A stand-in engine batch whose headers give each position's chroma subsampling."""
-    return type("Batch", (), {"headers": type("Headers", (), {"subsampling": subsampling})()})()
-
-
-#: nvImageCodec's chroma subsamplings (``nvimgcodecChromaSubsampling_t``): 4:4:4, 4:2:2, 4:2:0, gray.
-_S444, _S422, _S420, _GRAY = 0, 2, 3, 7
-
-
-@pytest.mark.parametrize("backend", ["all", "hardware", "split", "auto"])
-def test_a_mixed_batch_goes_to_the_jpeg_engine_in_parts_it_decodes_as_batches(
-    monkeypatch: pytest.MonkeyPatch, backend: str
-) -> None:
-    """With smooth upsampling on, nvImageCodec 0.9's JPEG engine decodes a call of more than 12 images
-    of mixed chroma subsamplings one image at a time: a call there is split so that every part is of
-    one subsampling or of at most 12 images, the largest first, each position in one part."""
-    import torch
-
-    from threadloader.decode.nvimgcodec import _decoder
-
-    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
-    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: None)
-    decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0), decode_threads=2, engine="python", backend=backend, registry=registry
-    )
-    prepared = decoder._start()  # type: ignore[attr-defined]
-    if backend == "auto":  # the JPEG engine's configuration is the one chosen while no pace is known
-        monkeypatch.setattr(decoder._pace, "choose", lambda: _decoder.Turn("all", 1))  # type: ignore[union-attr]
-    kinds = [_S420] * 30 + [_S444] * 14 + [_GRAY] * 7 + [_S422] * 5 + [_S420] * 4
-    positions = list(range(len(kinds)))
-    outputs = type("Outputs", (), {"memory": dict.fromkeys(positions)})()
-    key, _, parts = decoder._whole_call(prepared, positions, _mixed_headers(kinds), outputs)  # type: ignore[attr-defined, arg-type]
-    assert key[2] in ("all", "hardware", "split")
-    sizes = [len(part) for part in parts]
-    assert sizes == [34, 14, 12], sizes
-    assert sorted(p for part in parts for p in part) == positions
-    for part in parts:
-        assert len({kinds[p] for p in part}) == 1 or len(part) <= 12, [kinds[p] for p in part]
-    registry.unclaim(prepared.claimed)
-
-
-@pytest.mark.parametrize(("backend", "fancy"), [("cuda", True), ("hybrid", True), ("all", False)])
-def test_a_mixed_batch_is_one_call_where_nothing_decodes_it_one_image_at_a_time(
-    monkeypatch: pytest.MonkeyPatch, backend: str, fancy: bool
-) -> None:
-    """nvJPEG's CUDA decoder decodes a mixed batch as a batch, and so does the JPEG engine with smooth
-    upsampling off: one call, the batch's order kept."""
-    import torch
-
-    from threadloader.decode.nvimgcodec import _decoder
-
-    monkeypatch.setattr(_decoder, "engine_named", lambda name: type("Engine", (), {"name": name})())
-    registry = DecoderRegistry(lambda *key: object(), lambda key, decoder: None)
-    decoder = NvImageCodecDecoder(
-        torch.device("cuda", 0),
-        decode_threads=2,
-        engine="python",
-        backend=backend,
-        jpeg_fancy_upsampling=fancy,
-        registry=registry,
-    )
-    prepared = decoder._start()  # type: ignore[attr-defined]
-    kinds = [_S420, _S444, _GRAY] * 10
-    positions = list(range(len(kinds)))
-    outputs = type("Outputs", (), {"memory": dict.fromkeys(positions)})()
-    _, _, parts = decoder._whole_call(prepared, positions, _mixed_headers(kinds), outputs)  # type: ignore[attr-defined, arg-type]
-    assert [list(part) for part in parts] == [positions]
-    registry.unclaim(prepared.claimed)
 
 
 def test_a_pool_never_claimed_keeps_its_decoders() -> None:
@@ -906,7 +777,7 @@ def test_auto_counts_a_calls_wait_for_a_free_decoder_in_its_configurations_pace(
     held = registry.acquire(key, 1)  # another reader's call
     threading.Timer(0.2, registry.release, args=(key, held)).start()
     turn = decoder._pace.choose()  # type: ignore[union-attr]
-    decoder._decode_leased([(key, turn, [{0: None}])], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
+    decoder._decode_leased([(key, turn, {0: None})], Batch(), 0, StatsRecorder())  # type: ignore[arg-type]
     registry.unclaim([key])
     assert decoder.pace()[turn.arm] >= 0.2 * 0.9
 

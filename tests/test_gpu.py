@@ -531,48 +531,6 @@ def test_jpeg_fancy_upsampling_false_repeats_each_chroma_sample(
     assert errors[True] > 10.0, errors
 
 
-@pytest.mark.parametrize("backend", ["all", "hardware", "split", "auto"])
-def test_a_batch_of_mixed_subsamplings_decodes_in_uniform_parts_as_pillow_does(
-    monkeypatch: pytest.MonkeyPatch, backend: str
-) -> None:
-    """A call of 4:2:0, 4:4:4 and gray JPEGs, more than 12 of two of them, reaches the JPEG engine in
-    one part per subsampling (the engine decodes a mixed batch one image at a time with smooth
-    upsampling on), and every image comes out as Pillow decodes it."""
-    from threadloader.decode.nvimgcodec import NvImageCodecDecoder, _engines
-
-    parts: list[int] = []
-    submit = _engines._CApiBatch.submit
-
-    def counted(self: object, decoder: object, memory: dict[int, object], stream: int) -> object:
-        parts.append(len(memory))
-        return submit(self, decoder, memory, stream)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_engines._CApiBatch, "submit", counted)
-    blobs = [
-        *(encode(photo(96, 128, seed=i), quality=90, subsampling=2) for i in range(24)),
-        *(encode(photo(112, 96, seed=100 + i), quality=90, subsampling=0) for i in range(14)),
-        *(encode(photo(80, 120, seed=200 + i), "JPEG", mode="L", quality=90) for i in range(6)),
-    ]
-    order = list(range(len(blobs)))
-    random.Random(0).shuffle(order)  # the kinds interleaved, as in a shuffled data set
-    blobs = [blobs[i] for i in order]
-    decoder = NvImageCodecDecoder(torch.device("cuda", 0), backend=backend, decode_threads=2)
-    assert decoder.engine == "capi"
-    stream = torch.cuda.Stream()
-    if backend == "auto":  # no pace: each call on its first configuration, the JPEG engine's
-        decoder._pace = None
-    parts.clear()  # the start's own calls (its priming batch) are not this batch's
-    decoded = decoder.decode(blobs, stream=stream, stats=StatsRecorder())
-    stream.synchronize()
-    assert sorted(parts, reverse=True) == parts == [24, 14, 6], parts
-    assert not decoded.errors
-    for position, data in enumerate(blobs):
-        image = decoded.image(position)
-        assert image is not None
-        assert gpu_mismatch(image, pil_reference(data)) is None, position
-    decoder.close()
-
-
 @pytest.mark.parametrize("threads", [1, 4])
 def test_pillow_decoder_copies_each_batch_to_the_gpu_on_the_callers_stream(threads: int) -> None:
     """A GPU loader's first batches: Pillow's pixels, unchanged, on the GPU; bad samples stay errors."""

@@ -663,10 +663,7 @@ class Workspace:
 
         Once this returns, another thread may submit to the same Decoder: nvImageCodec starts that
         call when this one's host work is done, without waiting for this thread to come back for its
-        results. Until :meth:`Submitted.wait` returns, this workspace must not parse again, nor bind,
-        crop or submit the call's positions; other positions of the batch may be bound and submitted
-        (a call in parts: each position's handles are its own, and nvImageCodec copies what it reads
-        of an image's description when the image is made).
+        results. Until :meth:`Submitted.wait` returns, this workspace must not parse or bind again.
 
         Raises:
             RuntimeError: If the call itself fails (not an image: those are ``False`` in the results).

@@ -25,18 +25,7 @@ from ..._checks import check_count, check_switch, env_flag
 from ..._stats import StatsRecorder
 from ..base import DEFAULT_MAX_PIXELS, DecodedBatch, Encoded, ImageDecoder, RegionOf, StageRecorder
 from . import _capi
-from ._engines import (
-    BACKENDS,
-    CONFIGS,
-    ENGINES,
-    Engine,
-    EngineBatch,
-    Memory,
-    Pending,
-    engine_named,
-    engine_parts,
-    uses_engine,
-)
+from ._engines import BACKENDS, CONFIGS, ENGINES, Engine, EngineBatch, Memory, engine_named, uses_engine
 from ._fallback import decode_on_cpu
 from ._memory import Assembly, Outputs, allocate, dense, output_memory
 from ._pace import Pace, Turn
@@ -130,11 +119,6 @@ class _Prepared:
     def claimed(self) -> list[DecoderKey]:
         """Every pool the decoder decodes on."""
         return [*self.keys.values(), self.region_key]
-
-
-#: One decoder call: the pool it leases from, the turn whose pace it tells (``auto``), and its parts,
-#: each the memory of its positions, submitted one after the other on the one Decoder leased.
-_Call = tuple[DecoderKey, Turn | None, list[dict[int, Memory]]]
 
 
 @dataclass
@@ -418,12 +402,12 @@ class NvImageCodecDecoder(ImageDecoder):
                 memory=self._output_memory,
             )
         handle = stream.cuda_stream
-        calls: list[_Call] = []
-        whole = [p for p in parsed.shapes if p not in parsed.regions]
+        calls: list[tuple[DecoderKey, Turn | None, dict[int, Memory]]] = []
+        whole = {p: outputs.memory[p] for p in parsed.shapes if p not in parsed.regions}
         if whole:
-            calls.append(self._whole_call(prepared, whole, parsed.batch, outputs))
+            calls.append((*self._whole_key(prepared), whole))
         if parsed.regions:
-            calls.append((prepared.region_key, None, [{p: outputs.memory[p] for p in parsed.regions}]))
+            calls.append((prepared.region_key, None, {p: outputs.memory[p] for p in parsed.regions}))
         decoded = self._decode_leased(calls, parsed.batch, handle, stats)
         assembly = Assembly([None] * len(encoded))
         for position, extent in decoded.extents.items():
@@ -437,7 +421,7 @@ class NvImageCodecDecoder(ImageDecoder):
             parsed.batch.uncrop(failed)
             wholes = dense({p: parsed.wholes[p] for p in failed}, self._output_memory)
             retried = self._decode_leased(
-                [self._whole_call(prepared, failed, parsed.batch, wholes)], parsed.batch, handle, stats
+                [(*self._whole_key(prepared), wholes.memory)], parsed.batch, handle, stats
             )
             reasons = {p: reason for p, reason in reasons.items() if p not in failed}
             reasons.update(retried.reasons)
@@ -465,44 +449,31 @@ class NvImageCodecDecoder(ImageDecoder):
             stats.count("region_decodes", len(regions))
         return assembly.result(outputs, regions)
 
-    def _whole_call(
-        self, prepared: _Prepared, positions: list[int], batch: EngineBatch, outputs: Outputs
-    ) -> _Call:
-        """The call that decodes ``positions`` whole: its pool, its turn (``auto``), its parts.
-
-        A configuration that decodes JPEGs on the GPU's JPEG engine, with smooth upsampling, gets one
-        part per chroma subsampling (``_engines.engine_parts``): nvImageCodec decodes a mixed batch
-        there one image at a time.
-        """
+    def _whole_key(self, prepared: _Prepared) -> tuple[DecoderKey, Turn | None]:
+        """The pool the next call's whole images decode on, and the turn whose pace it tells (``auto``)."""
         if self._pace is None:
-            key, turn = next(iter(prepared.keys.values())), None
-        else:
-            turn = self._pace.choose()
-            key = prepared.keys[turn.arm]
-        parts = (
-            engine_parts(positions, batch.headers.subsampling)
-            if self.jpeg_fancy_upsampling and uses_engine(key[2])
-            else [positions]
-        )
-        return key, turn, [{p: outputs.memory[p] for p in part} for part in parts]
+            return next(iter(prepared.keys.values())), None
+        turn = self._pace.choose()
+        return prepared.keys[turn.arm], turn
 
     def _decode_leased(
-        self, calls: list[_Call], batch: EngineBatch, handle: int, stats: StageRecorder
+        self,
+        calls: list[tuple[DecoderKey, Turn | None, dict[int, Memory]]],
+        batch: EngineBatch,
+        handle: int,
+        stats: StageRecorder,
     ) -> _Decoded:
-        """Calls a leased Decoder of each pool with its positions and their memory, part after part.
+        """Calls a leased Decoder of each pool with its positions and their memory.
 
-        A call's parts are all submitted before the first is waited for: nvImageCodec starts each when
-        the one before it is done with the host. With :data:`QUEUE_ENV` set to ``1``, the lease ends
-        once they are submitted, not when they return: the next reader's call queues inside nvImageCodec
-        (``_registry.py`` says why). A sample a Decoder gives up on gets ``None`` and a reason, for
-        Pillow; a part that fails as a whole sends its call's every sample there. The time spent waiting
-        for a free Decoder is the ``decode_lock`` stage. A call with a turn is timed for the pace of
+        With :data:`QUEUE_ENV` set to ``1``, the lease ends once the call is submitted, not when it
+        returns: the next reader's call queues inside nvImageCodec (``_registry.py`` says why). A
+        sample a Decoder gives up on gets ``None`` and a reason, for Pillow. The time spent waiting for
+        a free Decoder is the ``decode_lock`` stage. A call with a turn is timed for the pace of
         ``backend="auto"`` from before that wait: a configuration whose Decoders are all busy is slower
         to the next reader by the wait, and timing from the lease made a queue there look fast.
         """
         decoded = _Decoded()
-        for key, turn, parts in calls:
-            positions = [position for part in parts for position in part]
+        for key, turn, memory in calls:
             started = time.perf_counter()
             try:
                 with stats.timed("decode_lock"):
@@ -511,38 +482,36 @@ class NvImageCodecDecoder(ImageDecoder):
                 if turn is not None and self._pace is not None:
                     self._pace.abandon(turn)
                 raise
-            extents: dict[int, tuple[int, int] | None] = dict.fromkeys(positions)
-            took, queued = None, False
-            pending: list[Pending] = []
+            extents: dict[int, tuple[int, int] | None] = dict.fromkeys(memory)
+            took, queued, pending = None, None, None
             try:
                 with stats.timed("decode"):
-                    for memory in parts:  # each part kept once submitted: a later one may raise
-                        pending.append(batch.submit(decoder, memory, handle))
-                    if self._queue_calls and all(call.queued for call in pending):
+                    pending = batch.submit(decoder, memory, handle)
+                    if pending.queued and self._queue_calls:
                         self._registry.release(key, decoder, pending=True)
-                        queued = True
-                    for call in pending:
-                        extents.update(call.result())
+                        queued = pending
+                    extents = pending.result()
                 took = time.perf_counter() - started
-            except Exception as exc:  # a part failed as a whole: each sample of the call to Pillow
-                extents = dict.fromkeys(positions)
-                decoded.reasons.update(dict.fromkeys(positions, f"nvImageCodec failed ({exc})"))
+            except Exception as exc:  # the whole call failed: each sample to Pillow
+                decoded.reasons.update(dict.fromkeys(memory, f"nvImageCodec failed ({exc})"))
                 took = 0.0
             finally:
-                try:
-                    for call in pending:  # each waited for, also when interrupted: its threads use our memory
+                if queued is None:
+                    if took is None and pending is not None:  # interrupted (Ctrl-C) before its wait
+                        with contextlib.suppress(Exception):
+                            pending.result()  # nvImageCodec's threads still use the Decoder and our memory
+                    self._registry.release(key, decoder)
+                else:
+                    try:
                         with contextlib.suppress(Exception):  # a failure is each sample's reason already
-                            call.result()
-                finally:
-                    if queued:
+                            queued.result()  # waited for even when interrupted: its threads read our memory
+                    finally:
                         self._registry.settle(key, decoder)
+                if turn is not None and self._pace is not None:
+                    if took is None:  # cancelled or interrupted: no measurement
+                        self._pace.abandon(turn)
                     else:
-                        self._registry.release(key, decoder)
-                    if turn is not None and self._pace is not None:
-                        if took is None:  # cancelled or interrupted: no measurement
-                            self._pace.abandon(turn)
-                        else:
-                            self._pace.record(turn, sum(e is not None for e in extents.values()), took)
+                        self._pace.record(turn, sum(e is not None for e in extents.values()), took)
             for position, extent in extents.items():
                 if extent is None:
                     decoded.reasons.setdefault(position, "nvImageCodec returned no image")

@@ -31,7 +31,6 @@ __all__ = [
     "CONFIGS",
     "ENGINES",
     "HARDWARE_SHARE",
-    "ONE_AT_A_TIME_ABOVE",
     "OPTIONS_ENV",
     "CApiEngine",
     "Engine",
@@ -42,7 +41,6 @@ __all__ = [
     "PythonApiEngine",
     "decoder_options",
     "engine_named",
-    "engine_parts",
     "import_nvimgcodec",
     "uses_engine",
 ]
@@ -87,8 +85,7 @@ def decoder_options(*, fancy_upsampling: bool, batch: int, allocators: bool = Fa
     nvImageCodec upsamples JPEG chroma smoothly by default, as libjpeg and Pillow do. With that on, its
     JPEG engine decodes a batch of mixed chroma subsamplings one image at a time, waiting for the GPU
     after each (nvImageCodec 0.9's "batch-single" path), at about half its speed alone and a fraction
-    of it beside a busy GPU, so such a call goes to it in parts of one subsampling
-    (:func:`engine_parts`); off, it decodes any batch in one call, as DALI does by default
+    of it beside a busy GPU; off, it decodes the batch in one call, as DALI does by default
     (``jpeg_fancy_upsampling=False``). docs/benchmarks.md has the measurements. Images that Pillow
     decodes instead (those nvImageCodec gives up on) are upsampled smoothly either way.
 
@@ -143,40 +140,6 @@ def uses_engine(config: str) -> bool:
     return kinds is None or any(kind == "HW_GPU_ONLY" for kind, _ in kinds)
 
 
-#: Images in one call above which nvImageCodec 0.9's JPEG engine, with smooth chroma upsampling on,
-#: decodes a batch that mixes chroma subsamplings one image at a time, with a wait for the GPU after
-#: each ("batch-single"); a call of this many or fewer, or of one subsampling, it decodes as a batch.
-ONE_AT_A_TIME_ABOVE = 12
-
-
-def engine_parts(positions: Sequence[int], subsampling: Sequence[int]) -> list[list[int]]:
-    """``positions`` as calls that the JPEG engine decodes as whole batches with smooth upsampling.
-
-    Each subsampling of more than :data:`ONE_AT_A_TIME_ABOVE` images is a call of its own; the rest
-    share calls of at most that many. The largest first: nvImageCodec starts a Decoder's next call when
-    the last one's host work is done, so the small ones queue behind it. One call (``positions``) where
-    the subsamplings are unknown (``subsampling`` empty) or the batch is not mixed.
-    """
-    if not subsampling or len(positions) <= ONE_AT_A_TIME_ABOVE:
-        return [list(positions)]
-    kinds: dict[int, list[int]] = {}
-    for position in positions:
-        kinds.setdefault(subsampling[position], []).append(position)
-    if len(kinds) == 1:
-        return [list(positions)]
-    parts: list[list[int]] = []
-    small: list[int] = []
-    for kind in sorted(kinds.values(), key=len, reverse=True):
-        if len(kind) > ONE_AT_A_TIME_ABOVE:
-            parts.append(kind)
-            continue
-        if len(small) + len(kind) > ONE_AT_A_TIME_ABOVE:
-            parts.append(small)
-            small = []
-        small.extend(kind)
-    return [*parts, small] if small else parts
-
-
 @dataclass
 class Headers:
     """What a batch's headers say, per position (zeros and ``""`` where ``failures`` has the position).
@@ -191,8 +154,6 @@ class Headers:
         turned: Whether it is displayed with height and width swapped (EXIF orientations 5-8);
             ``None`` where that is only known once decoded.
         failures: Positions nvImageCodec could not parse, with the reason.
-        subsampling: nvImageCodec's chroma subsampling of each (``nvimgcodecChromaSubsampling_t``);
-            empty where the engine does not read it (the Python API).
     """
 
     codecs: list[str]
@@ -203,7 +164,6 @@ class Headers:
     palette: list[bool]
     turned: list[bool | None]
     failures: dict[int, str] = field(default_factory=dict)
-    subsampling: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -421,7 +381,6 @@ def _headers_of(infos: Any, statuses: list[int]) -> Headers:
             for p, status in enumerate(statuses)
             if status
         },
-        subsampling=infos["chroma"].tolist(),
     )
 
 
